@@ -1,0 +1,59 @@
+# tf_ipu: every target sets itself up (venv, install, op library, protocol stubs).
+#   make demo   - train a small Keras CNN on an emulated IPU and print the estimates
+#   make test   - the test suite
+#   make bench  - benchmarks (full sizes)
+#   make lint   - ruff
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+PROTO_SRC := $(wildcard protos/device_server/protocol/*.proto)
+PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
+OPS_SRC   := $(wildcard ops/cc/ops/*.cc ops/cc/kernels/*.cc ops/cc/kernels/*.h)
+OPS_LIB   := ops/python/_ipu_ops.so
+
+.PHONY: all venv build protos ops test demo bench lint clean
+
+all: build
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+protos: $(PROTO_OUT)
+
+%_pb2.py: protos/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+ops: $(OPS_LIB)
+
+# The op library is built with TensorFlow's own compile and link flags.
+$(OPS_LIB): $(OPS_SRC) $(STAMP)
+	$(PY) ops/build.py --out $@
+
+$(VENV)/.dev-installed: $(STAMP) setup.py
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: protos ops $(VENV)/.dev-installed
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(PY) examples/demo.py
+
+bench: build
+	$(PY) bench/run.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf build dist *.egg-info $(OPS_LIB) device_server/protocol/*_pb2*.py device_server/protocol/*_pb2.pyi

@@ -1,0 +1,127 @@
+"""Kernels for values and control flow: parameter, constant, tuple, get-tuple-element, call,
+while, conditional, optimization-barrier, after-all, add-dependency, get-dimension-size,
+replica-id, partition-id.
+
+``parameter`` and ``constant`` are placed in slots by the compiler itself; their factories
+exist so the registry lists them, and run only when fault injection targets them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from device_server.emulator.kernels import KernelContext, KernelFn, register
+
+
+@register("parameter")
+def _parameter(ctx: KernelContext) -> KernelFn:
+    raise ctx.error("a parameter is bound by the compiler, not run")  # type: ignore[attr-defined]
+
+
+@register("constant")
+def _constant(ctx: KernelContext) -> KernelFn:
+    value = ctx.attr("value")
+    return lambda ops: value
+
+
+@register("tuple")
+def _tuple(ctx: KernelContext) -> KernelFn:
+    return tuple
+
+
+@register("get-tuple-element")
+def _gte(ctx: KernelContext) -> KernelFn:
+    index = ctx.attr("index", 0)
+    return lambda ops: ops[0][index]
+
+
+@register("optimization-barrier", "add-dependency", "copy-start", "copy-done")
+def _identity(ctx: KernelContext) -> KernelFn:
+    return lambda ops: ops[0]
+
+
+@register("after-all")
+def _after_all(ctx: KernelContext) -> KernelFn:
+    return lambda ops: ()
+
+
+@register("get-dimension-size")
+def _get_dimension_size(ctx: KernelContext) -> KernelFn:
+    size = np.asarray(ctx.operand_shapes[0][ctx.attr("dimension")], dtype=ctx.out_dtype)
+    size.flags.writeable = False
+    return lambda ops: size
+
+
+@register("set-dimension-size")
+def _set_dimension_size(ctx: KernelContext) -> KernelFn:
+    """Static shapes only: the new size must equal the bound, then the data is unchanged."""
+    dim = ctx.attr("dimension")
+    bound = ctx.operand_shapes[0][dim]
+
+    def run(ops: Sequence[Any]) -> Any:
+        size = int(ops[1])
+        if size != bound:
+            raise ValueError(
+                f"dimension {dim} set to {size} of its bound {bound}: dynamic shapes are not "
+                f"supported by the emulator"
+            )
+        return ops[0]
+
+    return run
+
+
+@register("replica-id", "partition-id")
+def _zero_id(ctx: KernelContext) -> KernelFn:
+    zero = np.zeros((), ctx.out_dtype)
+    zero.flags.writeable = False
+    return lambda ops: zero
+
+
+@register("call")
+def _call(ctx: KernelContext) -> KernelFn:
+    return ctx.computation(0)
+
+
+@register("while")
+def _while(ctx: KernelContext) -> KernelFn:
+    """``called_computations`` = (condition, body), as documented in docs/ir.md."""
+    cond = ctx.computation(0)
+    body = ctx.computation(1)
+
+    def run(ops: Sequence[Any]) -> Any:
+        state = ops[0]
+        while cond((state,)):
+            state = body((state,))
+        return state
+
+    return run
+
+
+@register("conditional")
+def _conditional(ctx: KernelContext) -> KernelFn:
+    """Operand 0 is a ``pred`` (branch 0 when true, 1 when false) or an ``s32`` index
+    (out of range -> the last branch); operand k+1 is branch k's argument."""
+    branches = [ctx.computation(k) for k in range(len(ctx.instr.called_computations))]
+    n = len(branches)
+    if ctx.operand_dtypes[0] == np.bool_:
+        if n != 2:
+            raise ctx.error(f"a predicated conditional needs 2 branches, has {n}")  # type: ignore[attr-defined]
+        then_branch, else_branch = branches
+
+        def run_pred(ops: Sequence[Any]) -> Any:
+            if ops[0]:
+                return then_branch((ops[1],))
+            return else_branch((ops[2],))
+
+        return run_pred
+
+    def run_index(ops: Sequence[Any]) -> Any:
+        k = int(ops[0])
+        if not 0 <= k < n:
+            k = n - 1
+        return branches[k]((ops[k + 1],))
+
+    return run_index

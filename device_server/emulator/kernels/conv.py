@@ -1,0 +1,223 @@
+"""The ``convolution`` kernel: XLA's general convolution in vectorized numpy.
+
+Covers general dimension numbers, any number of spatial dimensions, window strides, low/high
+padding (negative crops), lhs (base) dilation as in transposed convolutions, rhs (window)
+dilation as in atrous convolutions, window reversal, ``feature_group_count`` (grouped and
+depthwise convolutions) and ``batch_group_count`` (weight gradients of grouped convolutions).
+16-bit float inputs are computed in float32 and rounded once (the IPU's FP32 partials);
+integer convolutions accumulate in 64 bits and wrap to the result type.
+
+Plan (made once, when the program is compiled):
+
+- the input is brought to ``(batch, spatial..., feature)`` ("canonical") and, if there is any
+  padding or dilation, placed into a zero frame; the kernel to ``(groups, window*in, out)``;
+- every window position is then visible through one strided view of the frame; blocks of
+  output rows are copied out of it (im2col, a few MiB at a time) and multiplied with the
+  kernel, one ``matmul`` per block batched over the groups;
+- a 1x1 stride-1 unpadded convolution is a single matmul of the input; a depthwise
+  convolution (one input feature per group) is a sum over window positions of the strided
+  view times the kernel tap.
+
+Attributes read (names as written by ``tf_ipu.lowering.hlo_to_ir``):
+``input_batch_dimension``, ``input_feature_dimension``, ``input_spatial_dimensions``,
+``kernel_input_feature_dimension``, ``kernel_output_feature_dimension``,
+``kernel_spatial_dimensions``, ``output_batch_dimension``, ``output_feature_dimension``,
+``output_spatial_dimensions``, ``feature_group_count``, ``batch_group_count`` and the window
+(``window_size``, ``window_strides``, ``padding_low``, ``padding_high``, ``base_dilation`` =
+lhs dilation, ``window_dilation`` = rhs dilation, ``window_reversal``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from device_server.emulator.errors import ExecutionError, describe
+from device_server.emulator.kernels import KernelContext, KernelFn, register
+from device_server.emulator.kernels.window import (
+    Window,
+    accumulation_dtype,
+    attr_int,
+    attr_ints,
+    invalid,
+    read_window,
+)
+
+# Elements of one im2col block: bounds the scratch memory of a convolution (16 MiB in f32).
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _blocks(nb: int, o1: int, inner: int, row_budget: int) -> list[tuple[int, int, int, int]]:
+    """Blocks ``(n0, n1, o0, o1)`` of output rows over (batch, first spatial dim), each
+    contiguous in a C-ordered ``(batch, spatial..., feature)`` result."""
+    if o1 * inner <= row_budget:
+        step = max(1, row_budget // max(1, o1 * inner))
+        return [(n0, min(nb, n0 + step), 0, o1) for n0 in range(0, nb, step)]
+    step = max(1, row_budget // max(1, inner))
+    return [(n, n + 1, a, min(o1, a + step)) for n in range(nb) for a in range(0, o1, step)]
+
+
+@register("convolution")
+def convolution(ctx: KernelContext) -> KernelFn:
+    """XLA ConvWithGeneralDimensions/ConvGeneralDilated (see the module docstring)."""
+    if len(ctx.operand_shapes) != 2:
+        raise invalid(ctx, f"expected 2 operands (lhs, rhs), got {len(ctx.operand_shapes)}.")
+    lhs_shape = tuple(int(v) for v in ctx.operand_shapes[0])
+    rhs_shape = tuple(int(v) for v in ctx.operand_shapes[1])
+    out_shape = tuple(int(v) for v in ctx.out_shape)
+    ib, i_f = attr_int(ctx, "input_batch_dimension"), attr_int(ctx, "input_feature_dimension")
+    isp = attr_ints(ctx, "input_spatial_dimensions", ())
+    k_in, k_out = attr_int(ctx, "kernel_input_feature_dimension"), attr_int(ctx, "kernel_output_feature_dimension")
+    ksp = attr_ints(ctx, "kernel_spatial_dimensions", ())
+    ob, o_f = attr_int(ctx, "output_batch_dimension"), attr_int(ctx, "output_feature_dimension")
+    osp = attr_ints(ctx, "output_spatial_dimensions", ())
+    k = len(isp)
+    if len(ksp) != k or len(osp) != k:
+        raise invalid(ctx, f"spatial dimension counts differ: input {list(isp)}, kernel {list(ksp)}, output {list(osp)}.")
+    for what, dims, shape in (("input", (ib, i_f, *isp), lhs_shape), ("kernel", (k_in, k_out, *ksp), rhs_shape),
+                              ("output", (ob, o_f, *osp), out_shape)):
+        if sorted(dims) != list(range(len(shape))):
+            raise invalid(ctx, f"{what} dimension numbers {list(dims)} are not a permutation of the "
+                          f"{len(shape)} dimensions of shape {list(shape)}.")
+    w = read_window(ctx, k)
+    gf = attr_int(ctx, "feature_group_count", 1)
+    gb = attr_int(ctx, "batch_group_count", 1)
+    n, c = lhs_shape[ib], lhs_shape[i_f]
+    spatial = tuple(lhs_shape[d] for d in isp)
+    cg, ko = rhs_shape[k_in], rhs_shape[k_out]
+    ksize = tuple(rhs_shape[d] for d in ksp)
+    if gf < 1 or gb < 1 or (gf > 1 and gb > 1):
+        raise invalid(ctx, f"feature_group_count={gf}, batch_group_count={gb}: both must be >= 1 and not both > 1.")
+    if c != cg * gf:
+        raise invalid(ctx, f"input features {c} != kernel input features {cg} x feature_group_count {gf}.")
+    groups = gf * gb
+    if ko % groups or n % gb:
+        raise invalid(ctx, f"kernel output features {ko} / batch {n} are not divisible by the group count "
+                      f"(feature_group_count={gf}, batch_group_count={gb}).")
+    if w.size != ksize:
+        raise invalid(ctx, f"window_size {list(w.size)} differs from the kernel's spatial sizes {list(ksize)}.")
+    osize = w.output_sizes(spatial)
+    nb, og = n // gb, ko // groups
+    expect = [0] * (k + 2)
+    expect[ob], expect[o_f] = nb, ko
+    for d, v in zip(osp, osize, strict=True):
+        expect[d] = v
+    if tuple(expect) != out_shape:
+        raise invalid(ctx, f"result shape {list(out_shape)} does not match the convolution's {expect} "
+                      f"(input {list(lhs_shape)}, kernel {list(rhs_shape)}).")
+
+    out_dt = np.dtype(ctx.out_dtype)
+    cdt = accumulation_dtype(out_dt, ctx.operand_dtypes[0], ctx.operand_dtypes[1])
+    lhs_perm = (ib, *isp, i_f)
+    rhs_perm = (*ksp, k_in, k_out)
+    out_perm = [0] * (k + 2)
+    out_perm[ob], out_perm[o_f] = 0, k + 1
+    for i, d in enumerate(osp):
+        out_perm[d] = 1 + i
+    out_identity = out_perm == list(range(k + 2))
+
+    # Without spatial dimensions, work on one spatial dimension of size 1.
+    ws = w if k else Window((1,), (1,), (0,), (0,), (1,), (1,), (False,))
+    sp = spatial if k else (1,)
+    ks = ksize if k else (1,)
+    os_ = osize if k else (1,)
+    kp = math.prod(ks)
+    kc = kp * cg
+    rows = nb * math.prod(os_)
+    frame = ws.padded_sizes(sp)
+    place = ws.placement(sp)
+    needs_frame = not ws.is_trivial_padding() and any(v > 0 for v in ws.pad_lo + ws.pad_hi + tuple(d - 1 for d in ws.base_dilation))
+    crop = None if ws.is_trivial_padding() or needs_frame else place
+    reverse = tuple(slice(None, None, -1) if r else slice(None) for r in ws.reversal)
+    any_reverse = any(ws.reversal)
+    pointwise = kp == 1 and groups == 1 and frame == sp and all(s == 1 for s in ws.strides)
+    depthwise = gf > 1 and cg == 1
+    kappas = list(itertools.product(*(range(v) for v in ks)))
+    row_budget = max(1, _BLOCK_ELEMENTS // max(1, groups * kc))
+    blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
+    max_rows = max((b[1] - b[0]) * (b[3] - b[2]) * math.prod(os_[1:]) for b in blocks) if blocks else 0
+    trivial = rows == 0 or kc == 0
+
+    def prepare_input(lhs: np.ndarray) -> np.ndarray:
+        x = lhs.transpose(lhs_perm).reshape((n, *sp, c))
+        if needs_frame:
+            buf = np.zeros((n, *frame, c), cdt)
+            if place is not None:
+                buf[(slice(None), *place[1], slice(None))] = x[(slice(None), *place[0], slice(None))]
+            return buf
+        if crop is not None:
+            x = x[(slice(None), *crop[0], slice(None))]
+        return np.ascontiguousarray(x, dtype=cdt)
+
+    def prepare_kernel(rhs: np.ndarray) -> np.ndarray:
+        kern = rhs.transpose(rhs_perm).reshape((*ks, cg, ko))
+        if any_reverse:
+            kern = kern[reverse]
+        kern = kern.reshape(kp, cg, groups, og).transpose(2, 0, 1, 3)
+        return np.ascontiguousarray(kern, dtype=cdt).reshape(groups, kc, og)
+
+    def finish(res: np.ndarray) -> np.ndarray:
+        res = res.reshape((nb, *osize, ko))
+        if out_identity:
+            return res.astype(out_dt, copy=False)
+        return np.asarray(res.transpose(out_perm), dtype=out_dt, order="C")
+
+    def windows(p: np.ndarray, grouped: bool) -> np.ndarray:
+        """(groups, nb, out..., window..., cg) -- or (n, out..., window..., c) if not grouped."""
+        s_n, *s_sp, s_c = p.strides
+        o_str = tuple(s * st for s, st in zip(s_sp, ws.strides, strict=True))
+        k_str = tuple(s * d for s, d in zip(s_sp, ws.window_dilation, strict=True))
+        if not grouped:
+            return as_strided(p, (n, *os_, *ks, c), (s_n, *o_str, *k_str, s_c), writeable=False)
+        g_str = s_n * nb if gb > 1 else (s_c * cg if gf > 1 else 0)
+        return as_strided(p, (groups, nb, *os_, *ks, cg), (g_str, s_n, *o_str, *k_str, s_c), writeable=False)
+
+    def run(operands: Sequence[Any]) -> np.ndarray:
+        lhs, rhs = np.asarray(operands[0]), np.asarray(operands[1])
+        if lhs.shape != lhs_shape or rhs.shape != rhs_shape:
+            raise ExecutionError(f"{describe(ctx.instr)}: operands {list(lhs.shape)} and {list(rhs.shape)}, "
+                                 f"compiled for {list(lhs_shape)} and {list(rhs_shape)}.")
+        if trivial:
+            return np.zeros(out_shape, out_dt)
+        p = prepare_input(lhs)
+        kern = prepare_kernel(rhs)
+        if pointwise:
+            res = np.matmul(p.reshape(rows, c), kern[0])
+            return finish(res)
+        if depthwise:
+            view = windows(p, grouped=False)
+            mult = og
+            taps = kern.reshape(groups, kp, mult).transpose(1, 0, 2)  # (kp, c, mult)
+            acc = np.zeros((n, *os_, c, mult) if mult > 1 else (n, *os_, c), cdt)
+            tmp = np.empty_like(acc)
+            lead = (slice(None),) * (1 + len(os_))
+            for j, kap in enumerate(kappas):
+                v = view[(*lead, *kap)]
+                if mult > 1:
+                    np.multiply(v[..., None], taps[j], out=tmp)
+                else:
+                    np.multiply(v, taps[j, :, 0], out=tmp)
+                acc += tmp
+            return finish(acc)
+        view = windows(p, grouped=True)
+        out = np.empty((nb, *os_, ko), cdt)
+        scratch = np.empty(groups * max_rows * kc, cdt)
+        rest = os_[1:]
+        for n0, n1, a0, a1 in blocks:
+            m = (n1 - n0) * (a1 - a0) * math.prod(rest)
+            blk = scratch[: groups * m * kc].reshape((groups, n1 - n0, a1 - a0, *rest, *ks, cg))
+            np.copyto(blk, view[:, n0:n1, a0:a1])
+            lhs_rows = blk.reshape(groups, m, kc)
+            dst = out[n0:n1, a0:a1].reshape(m, ko)
+            if groups == 1:
+                np.matmul(lhs_rows[0], kern[0], out=dst)
+            else:
+                dst.reshape(m, groups, og)[...] = np.matmul(lhs_rows, kern).transpose(1, 0, 2)
+        return finish(out)
+
+    return run

@@ -1,0 +1,81 @@
+"""Conversions between numpy arrays and the wire/IR types (``ir_pb2.DType``, ``Tensor``).
+
+Everything crosses the wire as raw little-endian bytes plus a dtype and dims: no pickle.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from device_server.protocol import device_pb2, ir_pb2
+
+_TO_NUMPY: dict[int, np.dtype] = {
+    ir_pb2.PRED: np.dtype(np.bool_),
+    ir_pb2.S8: np.dtype(np.int8),
+    ir_pb2.S16: np.dtype(np.int16),
+    ir_pb2.S32: np.dtype(np.int32),
+    ir_pb2.S64: np.dtype(np.int64),
+    ir_pb2.U8: np.dtype(np.uint8),
+    ir_pb2.U16: np.dtype(np.uint16),
+    ir_pb2.U32: np.dtype(np.uint32),
+    ir_pb2.U64: np.dtype(np.uint64),
+    ir_pb2.F16: np.dtype(np.float16),
+    ir_pb2.BF16: np.dtype(ml_dtypes.bfloat16),
+    ir_pb2.F32: np.dtype(np.float32),
+    ir_pb2.F64: np.dtype(np.float64),
+    ir_pb2.C64: np.dtype(np.complex64),
+    ir_pb2.C128: np.dtype(np.complex128),
+}
+_FROM_NUMPY: dict[np.dtype, int] = {v: k for k, v in _TO_NUMPY.items()}
+
+
+class DTypeError(ValueError):
+    """A dtype that has no wire representation."""
+
+
+def to_numpy(dtype: int) -> np.dtype:
+    """Returns the numpy dtype of an ``ir_pb2.DType`` value."""
+    try:
+        return _TO_NUMPY[dtype]
+    except KeyError:
+        raise DTypeError(f"Unsupported element type {ir_pb2.DType.Name(dtype) if dtype in ir_pb2.DType.values() else dtype}.") from None
+
+
+def from_numpy(dtype: np.dtype | type) -> int:
+    """Returns the ``ir_pb2.DType`` value of a numpy dtype."""
+    try:
+        return _FROM_NUMPY[np.dtype(dtype)]
+    except KeyError:
+        raise DTypeError(f"No wire type for numpy dtype {np.dtype(dtype)}.") from None
+
+
+def dtype_name(dtype: int) -> str:
+    """Returns the IR spelling of a dtype, e.g. ``"F32"``."""
+    return ir_pb2.DType.Name(dtype) if dtype in ir_pb2.DType.values() else f"dtype#{dtype}"
+
+
+def to_tensor(array: np.ndarray) -> device_pb2.Tensor:
+    """Packs a numpy array into a wire ``Tensor`` (row-major, little-endian)."""
+    a = np.asarray(array, order="C")
+    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+    a = a.astype(dt, copy=False)
+    return device_pb2.Tensor(dtype=from_numpy(a.dtype), dims=a.shape, data=a.tobytes())
+
+
+def from_tensor(tensor: device_pb2.Tensor, *, what: str = "tensor") -> np.ndarray:
+    """Unpacks a wire ``Tensor``; raises ``ValueError`` naming ``what`` if its size is off."""
+    dt = to_numpy(tensor.dtype)
+    dims = tuple(int(d) for d in tensor.dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{what}: negative dimension in dims={list(dims)}.")
+    count = 1
+    for d in dims:
+        count *= d
+    expected = count * dt.itemsize
+    if len(tensor.data) != expected:
+        raise ValueError(
+            f"{what}: {dtype_name(tensor.dtype)}{list(dims)} needs {expected} bytes, "
+            f"received {len(tensor.data)}."
+        )
+    return np.frombuffer(tensor.data, dtype=dt).reshape(dims)

@@ -1,0 +1,609 @@
+"""The device server's gRPC servicer: typed requests in, emulator calls, typed replies out.
+
+    tf_ipu.client.DeviceClient ==gRPC==> DeviceService (this module)
+                                           |- SessionManager  sessions, leases, IPU pool
+                                           |- ExecutableCache  sha256(module, arch, options)
+                                           '- emulator         compile_module / Executable.run
+
+Every handler runs inside ``_rpc``: a ``ServiceError`` becomes its gRPC status, any other
+exception becomes INTERNAL with the exception's text, and the server keeps serving. Requests
+that do not even decode are refused as INVALID_ARGUMENT (the request deserializer never
+raises). Refinements of a status (``out-of-memory`` vs ``no-free-ipus``) travel as trailing
+metadata ``tf-ipu-error-kind``. Nothing from the wire is pickled or evaluated: arrays are raw
+bytes plus dtype and dims (``device_server.protocol.dtypes``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+import device_server
+from device_server.emulator import (
+    CompileOptions,
+    EmulatorError,
+    InvalidProgramError,
+    OutOfMemoryError,
+    UnsupportedOpError,
+    compile_module,
+    get_target,
+)
+from device_server.executable_cache import ExecutableCache, cache_key
+from device_server.protocol import device_pb2, dtypes, ir_pb2
+from device_server.sessions import (
+    ExecutableHandle,
+    IpuPool,
+    ServiceError,
+    Session,
+    SessionManager,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = device_pb2.DESCRIPTOR.services_by_name["DeviceService"].full_name
+ERROR_KIND_METADATA = "tf-ipu-error-kind"
+_MAX_DETAILS_CHARS = 2000
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND
+_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass
+class ServiceConfig:
+    """What a device server hosts and how it behaves.
+
+    Attributes:
+        num_ipus: IPUs hosted.
+        ipu_version: architecture of a session that does not ask for one.
+        lease_seconds: default session lease.
+        max_message_bytes: the largest gRPC message either way (reported to clients).
+        refuse_opcodes: opcodes refused by every compile (added to the request's).
+        fault_inject_opcode: opcode whose results every compile perturbs (takes precedence
+            over the request's).
+        cache_entries: bound of the executable cache.
+        max_waiting_calls: calls of one session that may queue behind the running one.
+    """
+
+    num_ipus: int = 1
+    ipu_version: str = "ipu2"
+    lease_seconds: float = 60.0
+    max_message_bytes: int = 1 << 30
+    refuse_opcodes: tuple[str, ...] = ()
+    fault_inject_opcode: str = ""
+    cache_entries: int = 128
+    max_waiting_calls: int = 8
+
+
+@dataclass
+class Counters:
+    """Thread-safe monotonically increasing counters, by name."""
+
+    values: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.values[name] = self.values.get(name, 0) + amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
+
+@dataclass
+class _Undecodable:
+    """Stands in for a request that failed to decode, so the handler can refuse it."""
+
+    type_name: str
+    nbytes: int
+    error: str
+
+
+_COUNTER_HELP = {
+    "sessions_opened": "Sessions opened.",
+    "sessions_closed": "Sessions closed by their client.",
+    "sessions_expired": "Sessions closed because their lease expired.",
+    "compile_requests": "Compile calls that reached the cache.",
+    "compiles": "Programs compiled by the emulator (cache misses that succeeded or failed).",
+    "cache_hits": "Compile calls answered from the executable cache.",
+    "executions": "Programs executed.",
+    "bytes_in": "Request bytes received.",
+    "bytes_out": "Reply bytes sent.",
+    "errors": "RPCs that ended with an error status.",
+}
+
+
+def _spec(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+    """``F32[2, 3]``: how errors spell an array type."""
+    try:
+        name = dtypes.dtype_name(dtypes.from_numpy(dtype))
+    except ValueError:
+        name = str(dtype)
+    return f"{name}[{', '.join(str(d) for d in shape)}]"
+
+
+class DeviceService:
+    """Implements ``tf_ipu.device.DeviceService`` over the emulator.
+
+    Args:
+        config: the server's configuration; ``config.ipu_version`` must be a known target.
+    """
+
+    def __init__(self, config: ServiceConfig) -> None:
+        default_target = get_target(config.ipu_version)  # ValueError for an unknown name
+        self.config = config
+        self.default_ipu_version, _ = _describe_target(default_target, config.ipu_version)
+        self.counters = Counters()
+        self.pool = IpuPool(config.num_ipus)
+        self.sessions = SessionManager(
+            self.pool,
+            default_lease_seconds=config.lease_seconds,
+            max_waiting_calls=config.max_waiting_calls,
+            on_close=self._on_session_closed,
+        )
+        self.cache = ExecutableCache(config.cache_entries)
+        self._server_refuse = frozenset(config.refuse_opcodes)
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceService(ipus={self.pool.num_ipus}, free={self.pool.free}, "
+            f"ipu_version={self.default_ipu_version!r}, sessions={self.sessions.count()}, "
+            f"cache={self.cache!r})"
+        )
+
+    # -- wiring -------------------------------------------------------------------------
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The handler to add to a ``grpc.Server`` (``server.add_generic_rpc_handlers``)."""
+        methods = {
+            "OpenSession": (self.open_session, device_pb2.OpenSessionRequest),
+            "CloseSession": (self.close_session, device_pb2.SessionRef),
+            "Heartbeat": (self.heartbeat, device_pb2.SessionRef),
+            "AttachIpus": (self.attach_ipus, device_pb2.AttachIpusRequest),
+            "DetachIpus": (self.detach_ipus, device_pb2.SessionRef),
+            "Compile": (self.compile, device_pb2.CompileRequest),
+            "WriteVariables": (self.write_variables, device_pb2.WriteVariablesRequest),
+            "ReadVariables": (self.read_variables, device_pb2.ReadVariablesRequest),
+            "Execute": (self.execute, device_pb2.ExecuteRequest),
+            "GetCounters": (self.get_counters, device_pb2.Empty),
+        }
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._rpc(name, fn),
+                request_deserializer=self._decoder(cls),
+                response_serializer=self._encode,
+            )
+            for name, (fn, cls) in methods.items()
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def start(self) -> None:
+        """Starts the lease reaper."""
+        self.sessions.start()
+
+    def stop(self) -> None:
+        """Stops the reaper and closes all sessions."""
+        self.sessions.stop()
+
+    def _decoder(self, cls: type) -> Callable[[bytes], Any]:
+        def decode(raw: bytes) -> Any:
+            self.counters.add("bytes_in", len(raw))
+            try:
+                return cls.FromString(raw)
+            except Exception as e:  # DecodeError, recursion limit, ...
+                return _Undecodable(cls.__name__, len(raw), f"{type(e).__name__}: {e}")
+
+        return decode
+
+    def _encode(self, reply: Any) -> bytes:
+        raw = reply.SerializeToString()
+        self.counters.add("bytes_out", len(raw))
+        return raw
+
+    def _rpc(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            start = time.perf_counter()
+            self.counters.add(f"rpcs.{name}")
+            session_id = getattr(request, "session_id", "")
+            try:
+                if isinstance(request, _Undecodable):
+                    raise ServiceError(
+                        _INVALID,
+                        f"{name}: the request ({request.nbytes} bytes) is not a valid "
+                        f"{request.type_name}: {request.error}",
+                    )
+                reply = fn(request)
+            except ServiceError as e:
+                error = e
+            except Exception as e:
+                logger.warning("%s session=%s failed inside the server", name, session_id,
+                               exc_info=True)
+                error = ServiceError(
+                    grpc.StatusCode.INTERNAL,
+                    f"{name} failed inside the device server: {type(e).__name__}: {e}",
+                )
+            else:
+                logger.debug("%s session=%s ok in %.2f ms", name, session_id,
+                             (time.perf_counter() - start) * 1e3)
+                return reply
+            self.counters.add("errors")
+            self.counters.add(f"errors.{error.code.name}")
+            message = error.message
+            if len(message) > _MAX_DETAILS_CHARS:
+                message = message[:_MAX_DETAILS_CHARS] + f"... ({len(error.message)} chars)"
+            logger.warning("%s session=%s -> %s: %s", name, session_id, error.code.name, message)
+            if error.kind:
+                context.set_trailing_metadata(((ERROR_KIND_METADATA, error.kind),))
+            context.abort(error.code, message)
+
+        return handle
+
+    def _on_session_closed(self, session: Session, reason: str) -> None:
+        self.counters.add("sessions_expired" if reason == "expired" else "sessions_closed")
+
+    def _enter(self, session_id: str) -> Any:
+        return self.sessions.get(session_id).enter(self.sessions.max_waiting_calls)
+
+    # -- sessions and IPUs --------------------------------------------------------------
+
+    def open_session(self, request: device_pb2.OpenSessionRequest) -> device_pb2.OpenSessionReply:
+        session = self.sessions.open(request.client_name, request.lease_seconds)
+        self.counters.add("sessions_opened")
+        return device_pb2.OpenSessionReply(
+            session_id=session.session_id,
+            server_version=device_server.__version__,
+            default_ipu_version=self.default_ipu_version,
+            num_ipus=self.pool.num_ipus,
+            free_ipus=self.pool.free,
+            max_message_bytes=self.config.max_message_bytes,
+            lease_seconds=session.lease_seconds,
+        )
+
+    def close_session(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
+        self.sessions.close(request.session_id)
+        return device_pb2.Empty()
+
+    def heartbeat(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
+        self.sessions.get(request.session_id)  # renews the lease
+        return device_pb2.Empty()
+
+    def attach_ipus(self, request: device_pb2.AttachIpusRequest) -> device_pb2.AttachIpusReply:
+        with self._enter(request.session_id) as s:
+            if s.ipu_ids:
+                raise ServiceError(
+                    _PRECONDITION,
+                    f"Session {s.session_id} already has IPUs {s.ipu_ids} attached "
+                    f"({s.ipu_version}); call DetachIpus first.",
+                )
+            if request.tiles_per_ipu < 0:
+                raise ServiceError(
+                    _INVALID,
+                    f"tiles_per_ipu must be >= 0 (0 = the version's full count). "
+                    f"Received: {request.tiles_per_ipu}",
+                )
+            version = request.ipu_version or self.default_ipu_version
+            try:
+                target = get_target(version, tiles_per_ipu=request.tiles_per_ipu)
+            except ValueError as e:
+                raise ServiceError(
+                    _INVALID,
+                    f"AttachIpus: no target for ipu_version={version!r}, "
+                    f"tiles_per_ipu={request.tiles_per_ipu}: {e}",
+                ) from None
+            ids = self.pool.allocate(request.num_ipus, s.session_id)
+            s.ipu_ids = ids
+            s.target = target
+            s.ipu_version, s.tiles_per_ipu = _describe_target(target, version)
+            logger.info("session %s attached IPUs %s (%s, %d tiles each)", s.session_id, ids,
+                        s.ipu_version, s.tiles_per_ipu)
+            return device_pb2.AttachIpusReply(
+                ipu_ids=ids, ipu_version=s.ipu_version, tiles_per_ipu=s.tiles_per_ipu
+            )
+
+    def detach_ipus(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
+        with self._enter(request.session_id) as s:
+            self.sessions.detach(s)
+        return device_pb2.Empty()
+
+    # -- programs -----------------------------------------------------------------------
+
+    def compile(self, request: device_pb2.CompileRequest) -> device_pb2.CompileReply:
+        with self._enter(request.session_id) as s:
+            if s.target is None:
+                raise ServiceError(
+                    _PRECONDITION,
+                    f"Compile: session {s.session_id} has no IPUs attached; call AttachIpus "
+                    f"first (the architecture to compile for comes from it).",
+                )
+            module = request.module
+            refuse = frozenset(request.options.refuse_opcodes) | self._server_refuse
+            fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
+            allow_oom = request.options.allow_out_of_memory
+            key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom)
+            target = s.target
+            options = CompileOptions(
+                refuse_opcodes=refuse, fault_inject_opcode=fault, allow_out_of_memory=allow_oom
+            )
+
+            def build() -> Any:
+                self.counters.add("compiles")
+                try:
+                    return compile_module(module, target, options)
+                except Exception as e:
+                    mapped = _compile_error(e, module.name)
+                    if mapped is e:
+                        raise
+                    raise mapped from e
+
+            self.counters.add("compile_requests")
+            lookup = self.cache.get_or_compile(key, build)
+            if lookup.hit:
+                self.counters.add("cache_hits")
+            exe = lookup.executable
+            handle_id = s.handle_by_key.get(key)
+            if handle_id is None:
+                handle_id = secrets.token_hex(16)
+                s.handle_by_key[key] = handle_id
+                s.executables[handle_id] = ExecutableHandle(handle_id, key, exe)
+            logger.info(
+                "session %s compiled %r -> %s (%s, %.3f s)", s.session_id, module.name,
+                handle_id, "cache hit" if lookup.hit else "compiled", lookup.compile_seconds,
+            )
+            return device_pb2.CompileReply(
+                executable_id=handle_id,
+                cache_hit=lookup.hit,
+                parameters=[_tensor_spec(dt, shape) for dt, shape in exe.parameters],
+                outputs=[_tensor_spec(dt, shape) for dt, shape in exe.outputs],
+                aliases=[
+                    ir_pb2.Alias(output_index=o, parameter_number=p)
+                    for o, p in sorted(exe.aliases.items())
+                ],
+                estimate=_estimate(exe.estimate),
+                compile_seconds=lookup.compile_seconds,
+            )
+
+    # -- variables ----------------------------------------------------------------------
+
+    def write_variables(self, request: device_pb2.WriteVariablesRequest) -> device_pb2.Empty:
+        with self._enter(request.session_id) as s:
+            decoded: dict[str, np.ndarray] = {}
+            for i, named in enumerate(request.variables):
+                if not named.key:
+                    raise ServiceError(_INVALID, f"WriteVariables: variable #{i} has an empty key.")
+                decoded[named.key] = _decode(named.tensor, f"WriteVariables: variable {named.key!r}")
+            s.variables.update(decoded)  # all or nothing
+        return device_pb2.Empty()
+
+    def read_variables(self, request: device_pb2.ReadVariablesRequest) -> device_pb2.ReadVariablesReply:
+        with self._enter(request.session_id) as s:
+            reply = device_pb2.ReadVariablesReply()
+            for key in request.keys:
+                value = s.variables.get(key)
+                if value is None:
+                    raise ServiceError(
+                        _NOT_FOUND,
+                        f"ReadVariables: session {s.session_id} has no variable {key!r} "
+                        f"({len(s.variables)} variables resident).",
+                    )
+                reply.variables.append(device_pb2.NamedTensor(key=key, tensor=dtypes.to_tensor(value)))
+            return reply
+
+    # -- execution ----------------------------------------------------------------------
+
+    def execute(self, request: device_pb2.ExecuteRequest) -> device_pb2.ExecuteReply:
+        with self._enter(request.session_id) as s:
+            if s.target is None:
+                raise ServiceError(
+                    _PRECONDITION,
+                    f"Execute: session {s.session_id} has no IPUs attached.",
+                )
+            handle = s.executables.get(request.executable_id)
+            if handle is None:
+                shown = request.executable_id[:80]
+                raise ServiceError(
+                    _NOT_FOUND,
+                    f"Execute: session {s.session_id} has no executable {shown!r} "
+                    f"(handles are valid only in the session that compiled them).",
+                )
+            exe = handle.executable
+            what = f"Execute of executable {handle.handle_id}"
+            expected = exe.parameters
+            if len(request.parameters) != len(expected):
+                raise ServiceError(
+                    _INVALID,
+                    f"{what}: expected {len(expected)} parameters, received "
+                    f"{len(request.parameters)}.",
+                )
+            inputs: list[np.ndarray] = []
+            variable_of: dict[int, str] = {}  # parameter number -> resident variable key
+            for number, (binding, (dt, shape)) in enumerate(zip(request.parameters, expected, strict=True)):
+                source = binding.WhichOneof("source")
+                if source == "value":
+                    value = _decode(binding.value, f"{what}: parameter {number}")
+                    received = f"a value of {_spec(value.dtype, value.shape)}"
+                elif source == "variable_key":
+                    key = binding.variable_key
+                    value = s.variables.get(key)
+                    if value is None:
+                        raise ServiceError(
+                            _NOT_FOUND,
+                            f"{what}: parameter {number} is bound to variable {key!r}, which "
+                            f"session {s.session_id} does not have.",
+                        )
+                    variable_of[number] = key
+                    received = f"variable {key!r} of {_spec(value.dtype, value.shape)}"
+                else:
+                    raise ServiceError(
+                        _INVALID, f"{what}: parameter {number} has neither a value nor a variable key."
+                    )
+                if value.dtype != dt or tuple(value.shape) != tuple(shape):
+                    raise ServiceError(
+                        _INVALID,
+                        f"{what}: parameter {number} expects {_spec(dt, tuple(shape))}, "
+                        f"received {received}.",
+                    )
+                inputs.append(value)
+
+            # Outputs that carry a new value of a resident variable, by output index.
+            updates: dict[int, str] = {}
+            for out_index, number in exe.aliases.items():
+                key = variable_of.get(number)
+                if key is None:
+                    continue
+                if key in updates.values():
+                    raise ServiceError(
+                        _INVALID,
+                        f"{what}: variable {key!r} is bound to more than one updated parameter.",
+                    )
+                updates[out_index] = key
+
+            start = time.perf_counter()
+            try:
+                outputs = exe.run(inputs)
+            except OutOfMemoryError as e:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: {e}",
+                                   kind="out-of-memory") from e
+            except EmulatorError as e:
+                raise ServiceError(grpc.StatusCode.INTERNAL, f"{what} failed on the device: {e}",
+                                   kind="execution") from e
+            seconds = time.perf_counter() - start
+            if len(outputs) != len(exe.outputs):
+                raise ServiceError(
+                    grpc.StatusCode.INTERNAL,
+                    f"{what}: the emulator returned {len(outputs)} outputs, the executable "
+                    f"declares {len(exe.outputs)}.",
+                )
+            self.counters.add("executions")
+            for out_index, key in updates.items():
+                s.variables[key] = outputs[out_index]
+
+            reply = device_pb2.ExecuteReply(device_seconds=seconds)
+            for i, out in enumerate(outputs):
+                if i in updates and not request.return_updated_variables:
+                    arr = np.asarray(out)
+                    reply.outputs.append(
+                        device_pb2.Tensor(dtype=dtypes.from_numpy(arr.dtype), dims=arr.shape)
+                    )
+                else:
+                    reply.outputs.append(dtypes.to_tensor(out))
+            return reply
+
+    # -- counters -----------------------------------------------------------------------
+
+    def counter_values(self) -> dict[str, int]:
+        """Counters and gauges, by name (``errors.<CODE>``, ``rpcs.<Method>`` included)."""
+        values = {name: 0 for name in _COUNTER_HELP}
+        values.update(self.counters.snapshot())
+        values["sessions_active"] = self.sessions.count()
+        values["ipus_total"] = self.pool.num_ipus
+        values["ipus_free"] = self.pool.free
+        values["executables_cached"] = len(self.cache)
+        values["cache_evictions"] = self.cache.evictions
+        return values
+
+    def get_counters(self, request: device_pb2.Empty) -> device_pb2.CountersReply:
+        values = self.counter_values()
+        return device_pb2.CountersReply(counters=values, prometheus_text=prometheus_text(values))
+
+
+def prometheus_text(values: dict[str, int]) -> str:
+    """Renders ``DeviceService.counter_values()`` in the Prometheus text exposition format."""
+    lines: list[str] = []
+    prefix = "tf_ipu_device_"
+    for name, help_text in _COUNTER_HELP.items():
+        if name == "errors":
+            continue
+        metric = f"{prefix}{name}_total"
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter",
+                  f"{metric} {values.get(name, 0)}"]
+    for family, label, help_text in (
+        ("errors", "code", _COUNTER_HELP["errors"]),
+        ("rpcs", "method", "RPCs received."),
+    ):
+        metric = f"{prefix}{family}_total"
+        lines += [f"# HELP {metric} {help_text} by {label}", f"# TYPE {metric} counter"]
+        for name in sorted(values):
+            if name.startswith(family + "."):
+                lines.append(f'{metric}{{{label}="{name.split(".", 1)[1]}"}} {values[name]}')
+    for name, help_text in (
+        ("sessions_active", "Open sessions."),
+        ("ipus_total", "IPUs hosted."),
+        ("ipus_free", "IPUs not attached to a session."),
+        ("executables_cached", "Executables in the server's cache."),
+    ):
+        metric = f"{prefix}{name}"
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge",
+                  f"{metric} {values.get(name, 0)}"]
+    lines += [f"# HELP {prefix}cache_evictions_total Executables evicted from the cache.",
+              f"# TYPE {prefix}cache_evictions_total counter",
+              f"{prefix}cache_evictions_total {values.get('cache_evictions', 0)}"]
+    return "\n".join(lines) + "\n"
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _describe_target(target: Any, fallback_name: str) -> tuple[str, int]:
+    """(canonical version name, tiles per IPU) of an emulator target."""
+    name = getattr(target, "name", None) or getattr(target, "ipu_version", None) or fallback_name
+    return str(name), int(getattr(target, "tiles_per_ipu", 0))
+
+
+def _tensor_spec(dtype: np.dtype, shape: tuple[int, ...]) -> device_pb2.TensorSpec:
+    return device_pb2.TensorSpec(dtype=dtypes.from_numpy(dtype), dims=list(shape))
+
+
+def _decode(tensor: device_pb2.Tensor, what: str) -> np.ndarray:
+    try:
+        return dtypes.from_tensor(tensor, what=what)
+    except ValueError as e:  # DTypeError is a ValueError
+        message = str(e)
+        if not message.startswith(what):
+            message = f"{what}: {message}"
+        raise ServiceError(_INVALID, message) from None
+
+
+def _estimate(est: Any) -> device_pb2.Estimate:
+    try:
+        report = json.dumps(est.to_dict(), sort_keys=True, default=str)
+    except (TypeError, ValueError) as e:
+        report = json.dumps({"error": f"report not serializable: {e}"})
+    return device_pb2.Estimate(
+        ipu_version=str(est.ipu_version),
+        tiles_per_ipu=int(est.tiles_per_ipu),
+        clock_hz=float(est.clock_hz),
+        cycles=int(est.cycles),
+        seconds=float(est.seconds),
+        peak_tile_bytes=int(est.peak_tile_bytes),
+        tile_bytes_limit=int(est.tile_bytes_limit),
+        total_bytes=int(est.total_bytes),
+        fits=bool(est.fits),
+        json=report,
+    )
+
+
+def _compile_error(error: Exception, module_name: str) -> Exception:
+    """Maps an emulator compile error to the ``ServiceError`` the client should see."""
+    where = f"Compile of module {module_name!r}"
+    if isinstance(error, ServiceError):
+        return error
+    if isinstance(error, UnsupportedOpError):
+        return ServiceError(grpc.StatusCode.UNIMPLEMENTED, f"{where}: {error}", kind="unsupported-op")
+    if isinstance(error, OutOfMemoryError):
+        return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{where}: {error}",
+                            kind="out-of-memory")
+    if isinstance(error, (InvalidProgramError, ValueError)):
+        return ServiceError(_INVALID, f"{where}: {error}", kind="invalid-program")
+    if isinstance(error, EmulatorError):
+        return ServiceError(grpc.StatusCode.INTERNAL, f"{where}: {type(error).__name__}: {error}")
+    return error

@@ -1,0 +1,375 @@
+"""Sessions, leases and IPU allocation on the device server.
+
+A session is the unit of isolation: it owns the IPUs attached to it (exclusively), the
+architecture it compiles for, its device-resident variables and its executable handles. A
+session lives while its client keeps its lease alive (any call or a Heartbeat); a reaper
+thread closes sessions whose lease has run out and frees their IPUs.
+
+Calls of one session are serialized by the session's lock (``Session.enter``); calls of
+different sessions run concurrently. Heartbeats never wait for that lock.
+
+Nothing here speaks gRPC beyond the status codes of ``ServiceError``; ``service.py`` turns
+those into gRPC errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Bounds on the lease a client may ask for.
+MIN_LEASE_SECONDS = 0.2
+MAX_LEASE_SECONDS = 24 * 3600.0
+
+
+class ServiceError(Exception):
+    """An error to send back to the client as a gRPC status.
+
+    Args:
+        code: the gRPC status code.
+        message: what went wrong, naming what was received.
+        kind: a machine-readable refinement sent as trailing metadata ``tf-ipu-error-kind``
+            (e.g. ``"out-of-memory"`` vs ``"no-free-ipus"``, both RESOURCE_EXHAUSTED).
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.kind = kind
+
+
+class IpuPool:
+    """The server's IPUs, handed out exclusively to sessions.
+
+    Args:
+        num_ipus: how many IPUs the server hosts (ids ``0 .. num_ipus-1``).
+    """
+
+    def __init__(self, num_ipus: int) -> None:
+        if num_ipus < 1:
+            raise ValueError(f"A device server needs at least one IPU. Received: num_ipus={num_ipus}")
+        self.num_ipus = num_ipus
+        self._owner: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def free(self) -> int:
+        """How many IPUs are not attached to any session."""
+        with self._lock:
+            return self.num_ipus - len(self._owner)
+
+    def allocate(self, count: int, session_id: str) -> list[int]:
+        """Attaches ``count`` free IPUs to ``session_id``.
+
+        Returns:
+            The ids of the IPUs, ascending.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for ``count < 1``; RESOURCE_EXHAUSTED naming the
+                requested and free counts when there are not enough free IPUs.
+        """
+        if count < 1:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"AttachIpus needs num_ipus >= 1. Received: num_ipus={count}",
+            )
+        with self._lock:
+            free = [i for i in range(self.num_ipus) if i not in self._owner]
+            if count > len(free):
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Not enough free IPUs: requested {count}, free {len(free)} "
+                    f"of {self.num_ipus} on this server.",
+                    kind="no-free-ipus",
+                )
+            ids = free[:count]
+            for i in ids:
+                self._owner[i] = session_id
+            return ids
+
+    def release(self, ids: list[int]) -> None:
+        """Returns IPUs to the pool."""
+        with self._lock:
+            for i in ids:
+                self._owner.pop(i, None)
+
+
+@dataclass
+class ExecutableHandle:
+    """A session's handle on a compiled executable (shared through the server's cache)."""
+
+    handle_id: str
+    cache_key: str
+    executable: Any  # device_server.emulator Executable
+
+
+class Session:
+    """One client's session: IPUs, architecture, variables and executable handles.
+
+    Fields other than ``last_seen`` are read and written only while the session has been
+    entered (``with session.enter(): ...``).
+    """
+
+    def __init__(self, session_id: str, client_name: str, lease_seconds: float) -> None:
+        self.session_id = session_id
+        self.client_name = client_name
+        self.lease_seconds = lease_seconds
+        self.opened_at = time.monotonic()
+        self.last_seen = self.opened_at
+        self.closed = False
+        self.ipu_ids: list[int] = []
+        self.target: Any = None  # device_server.emulator Target while IPUs are attached
+        self.ipu_version = ""
+        self.tiles_per_ipu = 0
+        self.variables: dict[str, np.ndarray] = {}
+        self.executables: dict[str, ExecutableHandle] = {}
+        self.handle_by_key: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"Session(id={self.session_id[:8]}.., client={self.client_name!r}, "
+            f"ipus={self.ipu_ids}, ipu_version={self.ipu_version!r}, "
+            f"variables={len(self.variables)}, executables={len(self.executables)})"
+        )
+
+    def touch(self) -> None:
+        """Renews the lease."""
+        self.last_seen = time.monotonic()
+
+    def expired(self, now: float) -> bool:
+        """Whether the lease ran out before ``now`` (a ``time.monotonic()`` value)."""
+        return now - self.last_seen > self.lease_seconds
+
+    @contextmanager
+    def enter(self, max_waiting: int) -> Iterator[Session]:
+        """Serializes a call of this session; renews the lease on the way in and out.
+
+        Args:
+            max_waiting: how many calls of this session may wait for the lock at once; one
+                more is refused (RESOURCE_EXHAUSTED) so that a single session cannot hold all
+                of the server's worker threads.
+
+        Raises:
+            ServiceError: NOT_FOUND if the session was closed while the call waited.
+        """
+        with self._waiting_lock:
+            if self._waiting >= max_waiting:
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Session {self.session_id} already has {self._waiting} calls waiting; "
+                    f"calls of one session run one at a time (limit {max_waiting} waiting).",
+                    kind="too-many-calls",
+                )
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+        try:
+            if self.closed:
+                raise ServiceError(
+                    grpc.StatusCode.NOT_FOUND, f"Session {self.session_id} was closed."
+                )
+            self.touch()
+            yield self
+        finally:
+            self.touch()
+            self._lock.release()
+
+    def try_enter(self) -> bool:
+        """Takes the session's lock if it is free (the reaper's way in); see ``leave``."""
+        return self._lock.acquire(blocking=False)
+
+    def leave(self) -> None:
+        """Releases the lock taken by ``try_enter``."""
+        self._lock.release()
+
+
+class SessionManager:
+    """All open sessions, the IPU pool, and the reaper that enforces leases.
+
+    Args:
+        pool: the server's IPUs.
+        default_lease_seconds: the lease of a session that does not ask for one.
+        max_waiting_calls: see ``Session.enter``.
+        on_close: called with ``(session, reason)`` after a session is closed
+            (``reason`` is ``"closed"`` or ``"expired"``); used for counters.
+        reaper_period: seconds between lease checks.
+    """
+
+    def __init__(
+        self,
+        pool: IpuPool,
+        default_lease_seconds: float = 60.0,
+        max_waiting_calls: int = 8,
+        on_close: Callable[[Session, str], None] | None = None,
+        reaper_period: float = 0.25,
+    ) -> None:
+        self.pool = pool
+        self.default_lease_seconds = default_lease_seconds
+        self.max_waiting_calls = max_waiting_calls
+        self._on_close = on_close
+        self._reaper_period = reaper_period
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the reaper thread."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(
+                target=self._reap_loop, name="device-server-reaper", daemon=True
+            )
+            self._reaper.start()
+
+    def stop(self) -> None:
+        """Stops the reaper and closes every session not inside a call (at shutdown, a
+        call still running is not waited for)."""
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=2.0)
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            if s.try_enter():
+                try:
+                    self._close_locked(s, "closed")
+                finally:
+                    s.leave()
+
+    # -- sessions -----------------------------------------------------------------------
+
+    def open(self, client_name: str, lease_seconds: float) -> Session:
+        """Opens a session with a fresh random id.
+
+        Args:
+            client_name: free text for logs.
+            lease_seconds: 0 for the server's default; otherwise within
+                [MIN_LEASE_SECONDS, MAX_LEASE_SECONDS].
+        """
+        if lease_seconds != lease_seconds or lease_seconds < 0:  # NaN or negative
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_seconds must be >= 0 (0 = server default). Received: {lease_seconds}",
+            )
+        if lease_seconds == 0:
+            lease_seconds = self.default_lease_seconds
+        if not MIN_LEASE_SECONDS <= lease_seconds <= MAX_LEASE_SECONDS:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_seconds must be within [{MIN_LEASE_SECONDS}, {MAX_LEASE_SECONDS}]. "
+                f"Received: {lease_seconds}",
+            )
+        session = Session(secrets.token_hex(16), client_name[:200], float(lease_seconds))
+        with self._lock:
+            self._sessions[session.session_id] = session
+        logger.info("opened session %s for %r (lease %.1f s)", session.session_id,
+                    session.client_name, session.lease_seconds)
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The open session ``session_id``; renews its lease.
+
+        Raises:
+            ServiceError: NOT_FOUND naming the id.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            shown = session_id if len(session_id) <= 80 else session_id[:80] + "..."
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"No open session {shown!r} on this server (never opened, closed, or its "
+                f"lease expired).",
+            )
+        session.touch()
+        return session
+
+    def close(self, session_id: str) -> None:
+        """Closes a session: detaches its IPUs, drops its variables and executables."""
+        session = self.get(session_id)
+        with session.enter(self.max_waiting_calls):
+            self._close_locked(session, "closed")
+
+    def count(self) -> int:
+        """How many sessions are open."""
+        with self._lock:
+            return len(self._sessions)
+
+    def detach(self, session: Session) -> None:
+        """Releases a session's IPUs and drops its executable handles (they were compiled for
+        the architecture the session had). The session's lock must be held."""
+        if session.ipu_ids:
+            self.pool.release(session.ipu_ids)
+            logger.info("session %s detached IPUs %s", session.session_id, session.ipu_ids)
+        session.ipu_ids = []
+        session.target = None
+        session.ipu_version = ""
+        session.tiles_per_ipu = 0
+        session.executables.clear()
+        session.handle_by_key.clear()
+
+    def _close_locked(self, session: Session, reason: str) -> None:
+        if session.closed:
+            return
+        self.detach(session)
+        session.variables.clear()
+        session.closed = True
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+        logger.info("session %s %s", session.session_id, reason)
+        if self._on_close is not None:
+            self._on_close(session, reason)
+
+    # -- leases -------------------------------------------------------------------------
+
+    def reap_once(self) -> list[str]:
+        """Closes sessions whose lease expired and that are not inside a call.
+
+        Returns:
+            The ids of the sessions closed.
+        """
+        now = time.monotonic()
+        with self._lock:
+            candidates = [s for s in self._sessions.values() if s.expired(now)]
+        reaped = []
+        for s in candidates:
+            if not s.try_enter():
+                continue  # inside a call: alive
+            try:
+                if s.expired(time.monotonic()) and not s.closed:
+                    logger.warning(
+                        "session %s (%s) missed its %.1f s lease; closing it and freeing IPUs %s",
+                        s.session_id, s.client_name, s.lease_seconds, s.ipu_ids,
+                    )
+                    self._close_locked(s, "expired")
+                    reaped.append(s.session_id)
+            finally:
+                s.leave()
+        return reaped
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self._reaper_period):
+            try:
+                self.reap_once()
+            except Exception:  # never let the reaper die
+                logger.exception("lease reaper failed")

@@ -1,0 +1,43 @@
+"""Shared pytest fixtures.
+
+- ``device_server``: the address of one device server (a child process, 8 IPUs, ipu2) shared
+  by the whole test session; set ``TF_IPU_TEST_SERVER=host:port`` to use a running one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def device_server():
+    """Address (``host:port``) of the session's device server."""
+    external = os.environ.get("TF_IPU_TEST_SERVER")
+    if external:
+        yield external
+        return
+    from tf_ipu.local_server import start_local_server
+
+    server = start_local_server(num_ipus=8, ipu_version="ipu2")
+    try:
+        yield server.address
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ipu_system(device_server):
+    """This process's IPU system, configured once against the shared device server.
+
+    Tests that change the config (debug switches, IPU version) restore it before returning.
+    """
+    import tf_ipu
+
+    cfg = tf_ipu.IPUConfig()
+    cfg.server_address = device_server
+    cfg.auto_select_ipus = 1
+    cfg.ipu_model.version = "ipu2"
+    cfg.configure_ipu_system()
+    return cfg

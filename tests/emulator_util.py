@@ -1,0 +1,275 @@
+"""Shared helpers for the emulator's differential tests against XLA.
+
+A test writes a small function with plain TF ops or the ops of
+``tensorflow.compiler.tf2xla.python.xla``, lowers it with :func:`lower` (or
+:func:`lower_step` when it reads or updates variables), runs the IR on the emulator with
+:func:`run_ir`, and compares with the XLA run of the same function with :func:`assert_same`.
+
+    module, expected = lower(lambda x: tf.nn.relu(x), x)
+    assert_same(run_ir(module, [x]), expected, rtol=1e-6)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from device_server import emulator  # noqa: E402
+from device_server.protocol import dtypes, ir_pb2  # noqa: E402
+
+
+def _import_converter() -> Any:
+    """``tf_ipu.lowering.hlo_to_ir``. Importing ``tf_ipu`` loads its op library
+    (``tf_ipu_ops``, installed by ``make build``); the converter itself needs neither, so
+    when the package cannot be imported yet the module is loaded on its own."""
+    try:
+        from tf_ipu.lowering import hlo_to_ir
+    except ImportError:
+        import importlib.util
+        import pathlib
+        import sys
+
+        name = "tf_ipu.lowering.hlo_to_ir"
+        path = pathlib.Path(__file__).resolve().parents[1] / "tf_ipu" / "lowering" / "hlo_to_ir.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        hlo_to_ir = importlib.util.module_from_spec(spec)
+        sys.modules[name] = hlo_to_ir
+        spec.loader.exec_module(hlo_to_ir)
+    return hlo_to_ir
+
+
+converter = _import_converter()
+hlo_module_to_ir = converter.hlo_module_to_ir
+
+
+def _as_xla_function(fn: Callable[..., Any]) -> Any:
+    """``fn`` itself if it is already a ``tf.function`` with jit_compile, else wrapped."""
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        return fn
+    return tf.function(fn, jit_compile=True, autograph=False)
+
+
+def _flat_numpy(result: Any) -> list[np.ndarray]:
+    return [np.asarray(t.numpy() if hasattr(t, "numpy") else t, order="C") for t in tf.nest.flatten(result)]
+
+
+def hlo_of(fn: Callable[..., Any], *args: Any) -> bytes:
+    """The unoptimized serialized ``HloModuleProto`` of ``fn`` for ``args``."""
+    return _as_xla_function(fn).experimental_get_compiler_ir(*args)(stage="hlo_serialized")
+
+
+def lower(fn: Callable[..., Any], *args: Any) -> tuple[ir_pb2.Module, list[np.ndarray]]:
+    """Lowers ``fn(*args)`` to IR and runs it with XLA (CPU, ``jit_compile=True``).
+
+    Returns ``(module, expected)``: ``expected`` is the XLA result flattened like the
+    emulator's entry result. Use :func:`lower_step` for functions that touch variables.
+    """
+    f = _as_xla_function(fn)
+    module = hlo_module_to_ir(hlo_of(f, *args))
+    expected = _flat_numpy(f(*args))
+    return module, expected
+
+
+def lower_step(
+    fn: Callable[..., Any], *args: Any
+) -> tuple[ir_pb2.Module, list[np.ndarray], list[np.ndarray]]:
+    """Like :func:`lower` for a function that reads/updates variables (e.g. a train step).
+
+    Returns ``(module, params, expected)``: ``params`` are the entry parameters (the
+    arguments, then the captured variables' values *before* the XLA run, in the order of
+    ``concrete_fn.captured_inputs``); ``expected`` is the flattened XLA result followed by
+    the updated variable values for the aliased outputs (so it lines up with the emulator's
+    outputs). The XLA run updates the variables, as a real step would.
+    """
+    f = _as_xla_function(fn)
+    module = hlo_module_to_ir(hlo_of(f, *args))
+    concrete = f.get_concrete_function(*args)
+    captured = list(concrete.captured_inputs)
+    entry = next(c for c in module.computations if c.id == module.entry_computation_id)
+    param_dtypes = {
+        i.parameter_number: i.shape.dtype for i in entry.instructions if i.opcode == "parameter"
+    }
+    n_args = len(args)
+
+    def read(k: int) -> np.ndarray:
+        dt = tf.as_dtype(dtypes.to_numpy(param_dtypes[n_args + k]))
+        return np.asarray(tf.raw_ops.ReadVariableOp(resource=captured[k], dtype=dt).numpy(), order="C")
+
+    params = [np.asarray(a.numpy() if hasattr(a, "numpy") else a, order="C") for a in args]
+    params += [read(k) for k in range(len(captured))]
+    flat = _flat_numpy(f(*args))
+    expected: dict[int, np.ndarray] = dict(enumerate(flat))
+    for alias in module.aliases:
+        if alias.parameter_number >= n_args:
+            expected[alias.output_index] = read(alias.parameter_number - n_args)
+    return module, params, [expected[i] for i in sorted(expected)]
+
+
+def run_ir(
+    module: ir_pb2.Module,
+    args: Sequence[Any],
+    *,
+    target: str = "ipu2",
+    options: emulator.CompileOptions | None = None,
+) -> list[np.ndarray]:
+    """Compiles ``module`` for ``target`` and runs it once on ``args``."""
+    exe = emulator.compile_module(module, emulator.get_target(target), options or emulator.CompileOptions())
+    arrays = [np.asarray(a.numpy() if hasattr(a, "numpy") else a, order="C") for a in args]
+    return exe.run(arrays)
+
+
+def assert_same(
+    actual: Sequence[np.ndarray],
+    expected: Sequence[np.ndarray],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 0.0,
+    what: str = "",
+) -> None:
+    """Compares output lists: same count, dtypes and shapes; floats within ``rtol``/``atol``
+    (NaN equals NaN, infinities must match), everything else exactly."""
+    assert len(actual) == len(expected), f"{what}: {len(actual)} outputs, expected {len(expected)}"
+    for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        a = np.asarray(a)
+        e = np.asarray(e)
+        label = f"{what} output {k}"
+        assert a.dtype == e.dtype, f"{label}: dtype {a.dtype}, expected {e.dtype}"
+        assert a.shape == e.shape, f"{label}: shape {a.shape}, expected {e.shape}"
+        if np.issubdtype(e.dtype, np.inexact) or e.dtype.kind == "V" or e.dtype.name == "bfloat16":
+            np.testing.assert_allclose(
+                a.astype(np.complex128 if e.dtype.kind == "c" else np.float64),
+                e.astype(np.complex128 if e.dtype.kind == "c" else np.float64),
+                rtol=rtol, atol=atol, equal_nan=True, err_msg=label,
+            )
+        else:
+            np.testing.assert_array_equal(a, e, err_msg=label)
+
+
+class Differential:
+    """One function lowered once (for the shapes/dtypes of ``example``) and compiled once;
+    :meth:`check` then compares XLA and the emulator on new values of the same signature
+    (cheap enough for hypothesis)."""
+
+    def __init__(self, fn: Callable[..., Any], *example: Any, target: str = "ipu2",
+                 options: emulator.CompileOptions | None = None) -> None:
+        self.fn = _as_xla_function(fn)
+        self.module = hlo_module_to_ir(hlo_of(self.fn, *example))
+        self.exe = emulator.compile_module(
+            self.module, emulator.get_target(target), options or emulator.CompileOptions()
+        )
+
+    @property
+    def opcodes(self) -> set[str]:
+        """Every opcode in the lowered module."""
+        return {i.opcode for c in self.module.computations for i in c.instructions}
+
+    def run(self, *args: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(emulator outputs, XLA outputs) for ``args``."""
+        arrays = [np.asarray(a.numpy() if hasattr(a, "numpy") else a, order="C") for a in args]
+        return self.exe.run(arrays), _flat_numpy(self.fn(*args))
+
+    def check(self, *args: Any, rtol: float = 1e-5, atol: float = 0.0) -> None:
+        got, expected = self.run(*args)
+        assert_same(got, expected, rtol=rtol, atol=atol, what=self.module.name)
+
+
+def check(fn: Callable[..., Any], *args: Any, rtol: float = 1e-5, atol: float = 0.0) -> ir_pb2.Module:
+    """Lowers ``fn``, runs it on the emulator and XLA, asserts they agree; returns the IR."""
+    module, expected = lower(fn, *args)
+    assert_same(run_ir(module, args), expected, rtol=rtol, atol=atol, what=getattr(fn, "__name__", "fn"))
+    return module
+
+
+# ------------------------------------------------------------------ hand-built IR modules
+
+
+def literal_of(array: np.ndarray) -> ir_pb2.Literal:
+    """An IR literal holding ``array``."""
+    a = np.asarray(array, order="C")
+    return ir_pb2.Literal(
+        shape=ir_pb2.Shape(dtype=dtypes.from_numpy(a.dtype), dims=a.shape),
+        data=a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(),
+    )
+
+
+def set_attr(instr: ir_pb2.Instruction, name: str, value: Any) -> None:
+    """Stores a Python value as an IR attribute (bool -> flag, int -> i, float -> f,
+    str -> s, bytes -> b, list/tuple of ints -> ints, of str -> strings, ndarray -> literal)."""
+    a = instr.attrs[name]
+    if isinstance(value, bool):
+        a.flag = value
+    elif isinstance(value, int | np.integer):
+        a.i = int(value)
+    elif isinstance(value, float):
+        a.f = value
+    elif isinstance(value, str):
+        a.s = value
+    elif isinstance(value, bytes):
+        a.b = value
+    elif isinstance(value, np.ndarray):
+        a.literal.CopyFrom(literal_of(value))
+    elif all(isinstance(v, str) for v in value):
+        a.strings.values.extend(value)
+        a.strings.SetInParent()
+    else:
+        a.ints.values.extend(int(v) for v in value)
+        a.ints.SetInParent()
+
+
+class IRBuilder:
+    """Builds one computation by hand, for opcodes no TF op produces (e.g. ``clz``).
+
+        b = IRBuilder()
+        x = b.parameter(np.int32, [4])
+        b.root(b.op("clz", [x], np.int32, [4]))
+        module = b.module()
+    """
+
+    def __init__(self, name: str = "built") -> None:
+        self._module = ir_pb2.Module(name=name, frontend="test")
+        self._comp = self._module.computations.add(id=1, name=name)
+        self._module.entry_computation_id = 1
+        self._next = 1
+        self._params = 0
+
+    def _add(self, opcode: str, operands: Sequence[int], dtype: Any, dims: Sequence[int]) -> ir_pb2.Instruction:
+        instr = self._comp.instructions.add(
+            id=self._next, name=f"{opcode}.{self._next}", opcode=opcode, operands=list(operands)
+        )
+        instr.shape.dtype = dtypes.from_numpy(np.dtype(dtype))
+        instr.shape.dims.extend(int(d) for d in dims)
+        self._next += 1
+        return instr
+
+    def parameter(self, dtype: Any, dims: Sequence[int]) -> int:
+        instr = self._add("parameter", [], dtype, dims)
+        instr.parameter_number = self._params
+        self._params += 1
+        return instr.id
+
+    def constant(self, value: Any, dtype: Any = None) -> int:
+        a = np.asarray(value, dtype=dtype)
+        instr = self._add("constant", [], a.dtype, a.shape)
+        instr.attrs["value"].literal.CopyFrom(literal_of(a))
+        return instr.id
+
+    def op(self, opcode: str, operands: Sequence[int], dtype: Any, dims: Sequence[int],
+           source_op: str = "", **attrs: Any) -> int:
+        instr = self._add(opcode, operands, dtype, dims)
+        instr.source_op = source_op
+        for k, v in attrs.items():
+            set_attr(instr, k, v)
+        return instr.id
+
+    def root(self, instr_id: int) -> None:
+        self._comp.root_id = instr_id
+
+    def module(self) -> ir_pb2.Module:
+        return self._module

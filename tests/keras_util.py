@@ -1,0 +1,57 @@
+"""Models and comparison helpers shared by the Keras end-to-end tests."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    """Relative L2 distance of a from the reference b (0 when both are zero)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+def mlp(n_in: int = 16, n_out: int = 4, dropout: float = 0.0) -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((n_in,)),
+            keras.layers.Dense(32, activation="relu", name="dense_in"),
+            keras.layers.Dropout(dropout),
+            keras.layers.Dense(16, activation="tanh", name="dense_mid"),
+            keras.layers.Dense(n_out, activation="softmax", name="dense_out"),
+        ],
+        name="mlp",
+    )
+
+
+def small_cnn(n_out: int = 4) -> keras.Model:
+    """Grouped conv without bias before BatchNorm, pooling, depthwise conv, dense head."""
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 4)),
+            keras.layers.Conv2D(8, 3, padding="same", groups=2, use_bias=False, name="gconv"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(2, name="maxpool"),
+            keras.layers.DepthwiseConv2D(3, padding="same", name="dwconv"),
+            keras.layers.AveragePooling2D(2, name="avgpool"),
+            keras.layers.Conv2D(8, 1, activation="relu", name="pwconv"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(n_out, activation="softmax", name="head"),
+        ],
+        name="small_cnn",
+    )
+
+
+def classification_data(
+    n: int, shape: tuple[int, ...], n_classes: int = 4, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """A learnable synthetic task: the class is the argmax of fixed random projections."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, *shape)).astype("float32")
+    w = rng.standard_normal((int(np.prod(shape)), n_classes)).astype("float32")
+    y = np.argmax(x.reshape(n, -1) @ w, axis=1).astype("int64")
+    return x, y

@@ -1,0 +1,765 @@
+"""Differential tests of the emulator's spatial kernels against XLA on CPU.
+
+Kernels under test: ``convolution`` (kernels/conv.py), ``reduce-window`` and
+``select-and-scatter`` (kernels/window.py), ``gather``, ``scatter``, ``dynamic-slice`` and
+``dynamic-update-slice`` (kernels/indexing.py).
+
+Each test writes a small function with TF ops or ``tensorflow.compiler.tf2xla.python.xla``
+ops, runs it under ``tf.function(jit_compile=True)`` (the reference), converts its HLO to IR
+with the project's converter (so the attribute names are the converter's), and evaluates the
+IR's entry computation here: the kernels under test come from the kernel registry, the few
+glue opcodes around them (parameter, constant, reshape, convert, ...) and the scalar called
+computations are evaluated by a small interpreter in this file, so these tests depend only on
+the converter and the kernels under test. ``test_end_to_end_*`` run the same kind of
+functions through the whole emulator (``tests/emulator_util``) when it is available.
+
+Tolerances: float32 results must satisfy ``|got - xla| <= 1e-5 * (|xla| + max|xla|)`` (rtol
+1e-5, atol 1e-5 relative to the result's magnitude); 16-bit floats 1e-2 the same way;
+integers and every selection/indexing result exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from tensorflow.compiler.tf2xla.python import xla  # noqa: E402
+from tensorflow.compiler.xla import xla_data_pb2  # noqa: E402
+
+from device_server.emulator.errors import InvalidProgramError  # noqa: E402
+from device_server.emulator.kernels import REGISTRY, conv, indexing, window  # noqa: E402, F401
+from device_server.protocol import dtypes as wire_dtypes  # noqa: E402
+from device_server.protocol import ir_pb2  # noqa: E402
+from tf_ipu.lowering.hlo_to_ir import hlo_module_to_ir  # noqa: E402
+
+SPATIAL_OPCODES = {
+    "convolution", "reduce-window", "select-and-scatter", "gather", "scatter",
+    "dynamic-slice", "dynamic-update-slice",
+}
+HYP = settings(max_examples=12, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# ----------------------------------------------------------------------------- harness
+
+
+def _attr_value(v: ir_pb2.AttrValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "ints":
+        return tuple(v.ints.values)
+    if kind == "floats":
+        return tuple(v.floats.values)
+    if kind == "strings":
+        return tuple(v.strings.values)
+    if kind == "literal":
+        return _literal(v.literal)
+    return getattr(v, kind)
+
+
+def _literal(lit: ir_pb2.Literal) -> np.ndarray:
+    dt = wire_dtypes.to_numpy(lit.shape.dtype)
+    return np.frombuffer(lit.data, dtype=dt).reshape(tuple(lit.shape.dims)).copy()
+
+
+def _shape_of(s: ir_pb2.Shape) -> tuple[tuple[int, ...], np.dtype | None]:
+    if s.is_tuple:
+        return (), None
+    return tuple(int(d) for d in s.dims), wire_dtypes.to_numpy(s.dtype)
+
+
+_BINARY = {
+    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
+    "minimum": np.minimum, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "divide": np.divide,
+}
+_COMMUTATIVE_UFUNCS = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum,
+                       "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}
+_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "GE": np.greater_equal, "GT": np.greater,
+            "LE": np.less_equal, "LT": np.less}
+
+
+class _Ctx:
+    """A KernelContext for one IR instruction (what the emulator's compiler provides)."""
+
+    def __init__(self, interp: _Interp, instr: ir_pb2.Instruction, shapes: dict[int, ir_pb2.Shape]) -> None:
+        self.instr = instr
+        self._interp = interp
+        self.out_shape, self.out_dtype = _shape_of(instr.shape)
+        ops = [_shape_of(shapes[o]) for o in instr.operands]
+        self.operand_shapes = [s for s, _ in ops]
+        self.operand_dtypes = [d for _, d in ops]
+
+    def attr(self, name: str, default: Any = ...) -> Any:
+        if name in self.instr.attrs:
+            return _attr_value(self.instr.attrs[name])
+        if default is ...:
+            raise InvalidProgramError(f"{self.instr.name}: missing attribute {name!r}")
+        return default
+
+    def computation(self, index: int) -> Callable[[Sequence[Any]], Any]:
+        comp_id = self.instr.called_computations[index]
+        return lambda args: self._interp.run(comp_id, list(args))
+
+    def reducer_ufunc(self, index: int) -> np.ufunc | None:
+        comp = self._interp.comps[self.instr.called_computations[index]]
+        by_id = {i.id: i for i in comp.instructions}
+        root = by_id[comp.root_id]
+        if root.opcode not in _COMMUTATIVE_UFUNCS or len(root.operands) != 2:
+            return None
+        params = sorted(by_id[o].parameter_number for o in root.operands if by_id[o].opcode == "parameter")
+        if params != [0, 1] or sum(1 for i in comp.instructions if i.opcode == "parameter") != 2:
+            return None
+        return _COMMUTATIVE_UFUNCS[root.opcode]
+
+
+class _Interp:
+    """Evaluates an IR module: registry kernels for the spatial opcodes, numpy for glue."""
+
+    def __init__(self, module: ir_pb2.Module) -> None:
+        self.module = module
+        self.comps = {c.id: c for c in module.computations}
+        self.compiled: dict[int, Callable[[Sequence[Any]], Any]] = {}
+        self.used: set[str] = set()
+
+    def _glue(self, instr: ir_pb2.Instruction, args: list[Any], ctx: _Ctx) -> Any:
+        op = instr.opcode
+        shape, dtype = ctx.out_shape, ctx.out_dtype
+        if op == "constant":
+            return _literal(instr.attrs["value"].literal)
+        if op in ("reshape", "bitcast"):
+            return np.asarray(args[0]).reshape(shape)
+        if op == "copy":
+            return np.array(args[0])
+        if op == "convert":
+            return np.asarray(args[0]).astype(dtype)
+        if op == "broadcast":
+            dims = ctx.attr("dimensions", ())
+            src = np.asarray(args[0])
+            expand = [1] * len(shape)
+            for i, d in enumerate(dims):
+                expand[d] = src.shape[i]
+            return np.broadcast_to(src.reshape(expand), shape).copy()
+        if op == "transpose":
+            return np.transpose(args[0], ctx.attr("permutation"))
+        if op == "reverse":
+            return np.flip(args[0], axis=tuple(ctx.attr("dimensions")))
+        if op == "tuple":
+            return tuple(args)
+        if op == "get-tuple-element":
+            return args[0][ctx.attr("index")]
+        if op == "iota":
+            d = ctx.attr("dimension")
+            v = np.arange(shape[d], dtype=dtype).reshape([-1 if i == d else 1 for i in range(len(shape))])
+            return np.broadcast_to(v, shape).copy()
+        if op == "slice":
+            sl = tuple(slice(a, b, s) for a, b, s in zip(ctx.attr("start_indices"), ctx.attr("limit_indices"),
+                                                        ctx.attr("strides"), strict=True))
+            return np.asarray(args[0])[sl].copy()
+        if op == "concatenate":
+            return np.concatenate(args, axis=ctx.attr("dimension"))
+        if op in _BINARY:
+            return _BINARY[op](args[0], args[1]).astype(dtype)
+        if op == "compare":
+            return _COMPARE[ctx.attr("direction")](args[0], args[1])
+        if op == "select":
+            return np.where(args[0], args[1], args[2]).astype(dtype)
+        if op == "not":
+            return np.logical_not(args[0]) if dtype == np.bool_ else np.invert(args[0])
+        if op == "negate":
+            return np.negative(args[0])
+        if op == "clamp":
+            return np.clip(args[1], args[0], args[2]).astype(dtype)
+        raise NotImplementedError(f"test interpreter: opcode {op}")
+
+    def run(self, comp_id: int, args: list[Any]) -> Any:
+        comp = self.comps[comp_id]
+        shapes = {i.id: i.shape for i in comp.instructions}
+        vals: dict[int, Any] = {}
+        for instr in comp.instructions:
+            ops = [vals[o] for o in instr.operands]
+            if instr.opcode == "parameter":
+                vals[instr.id] = np.asarray(args[instr.parameter_number])
+                continue
+            key = instr.id * 100003 + comp_id
+            if instr.opcode in SPATIAL_OPCODES:
+                if key not in self.compiled:
+                    self.compiled[key] = REGISTRY[instr.opcode](_Ctx(self, instr, shapes))
+                self.used.add(instr.opcode)
+                out = self.compiled[key](ops)
+            else:
+                out = self._glue(instr, ops, _Ctx(self, instr, shapes))
+            vals[instr.id] = out
+        return vals[comp.root_id]
+
+
+def _flatten(v: Any) -> list[np.ndarray]:
+    if isinstance(v, tuple):
+        return [x for item in v for x in _flatten(item)]
+    return [np.asarray(v)]
+
+
+def run_both(fn: Callable[..., Any], *args: Any, expect: str | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Runs ``fn`` with XLA and through the kernels; returns (ours, xla), flattened."""
+    f = tf.function(fn, jit_compile=True, autograph=False)
+    targs = [tf.constant(a) for a in args]
+    hlo = f.experimental_get_compiler_ir(*targs)(stage="hlo_serialized")
+    module = hlo_module_to_ir(hlo)
+    interp = _Interp(module)
+    entry = next(c for c in module.computations if c.id == module.entry_computation_id)
+    n_params = sum(1 for i in entry.instructions if i.opcode == "parameter")
+    params = [np.asarray(a) for a in args]
+    if n_params != len(params):  # TF folds zero-size arguments into constants
+        params = [a for a in params if a.size]
+    assert n_params == len(params), f"{n_params} entry parameters for {len(args)} arguments"
+    ours = _flatten(interp.run(module.entry_computation_id, params))
+    ref = [np.asarray(t.numpy()) for t in tf.nest.flatten(f(*targs))]
+    if expect is not None:
+        assert expect in interp.used, f"the HLO holds no {expect} (ran {sorted(interp.used)})"
+    return ours, ref
+
+
+def assert_close(ours: Sequence[np.ndarray], ref: Sequence[np.ndarray], tol: float | None = None) -> None:
+    assert len(ours) == len(ref)
+    for k, (a, e) in enumerate(zip(ours, ref, strict=True)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"output {k}: shape {a.shape}, XLA {e.shape}"
+        assert a.dtype == e.dtype, f"output {k}: dtype {a.dtype}, XLA {e.dtype}"
+        if e.dtype.kind in "fc" or e.dtype == ml_dtypes.bfloat16:
+            t = tol if tol is not None else (1e-2 if e.dtype.itemsize == 2 else 1e-5)
+            a64, e64 = a.astype(np.float64), e.astype(np.float64)
+            scale = float(np.max(np.abs(e64[np.isfinite(e64)]), initial=0.0)) if e.size else 0.0
+            finite = np.isfinite(e64)
+            np.testing.assert_array_equal(np.isnan(a64), np.isnan(e64), err_msg=f"output {k}: NaNs differ")
+            np.testing.assert_array_equal(a64[~finite & ~np.isnan(e64)], e64[~finite & ~np.isnan(e64)])
+            err = np.abs(a64[finite] - e64[finite])
+            bound = t * (np.abs(e64[finite]) + scale)
+            assert np.all(err <= bound), (
+                f"output {k}: max error {err.max():.3g} (bound {t} relative, scale {scale:.3g})")
+        else:
+            np.testing.assert_array_equal(a, e, err_msg=f"output {k}")
+
+
+def check(fn: Callable[..., Any], *args: Any, expect: str | None = None, tol: float | None = None) -> None:
+    ours, ref = run_both(fn, *args, expect=expect)
+    assert_close(ours, ref, tol)
+
+
+def rand(rng: np.random.Generator, shape: Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        return rng.integers(-5 if dtype.kind == "i" else 0, 6, size=shape).astype(dtype)
+    return rng.standard_normal(size=shape).astype(dtype)
+
+
+# -------------------------------------------------------------------------- convolution
+
+
+def _conv_dnums(lhs_layout: str, rhs_layout: str, out_layout: str) -> xla_data_pb2.ConvolutionDimensionNumbers:
+    """Dimension numbers from layout strings: N/C (batch/feature), I/O (kernel), digits spatial."""
+    d = xla_data_pb2.ConvolutionDimensionNumbers()
+    d.input_batch_dimension = lhs_layout.index("N")
+    d.input_feature_dimension = lhs_layout.index("C")
+    d.kernel_input_feature_dimension = rhs_layout.index("I")
+    d.kernel_output_feature_dimension = rhs_layout.index("O")
+    d.output_batch_dimension = out_layout.index("N")
+    d.output_feature_dimension = out_layout.index("C")
+    digits = sorted(ch for ch in lhs_layout if ch.isdigit())
+    d.input_spatial_dimensions.extend(lhs_layout.index(ch) for ch in digits)
+    d.kernel_spatial_dimensions.extend(rhs_layout.index(ch) for ch in digits)
+    d.output_spatial_dimensions.extend(out_layout.index(ch) for ch in digits)
+    return d
+
+
+def _layout_shape(layout: str, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[ch] for ch in layout)
+
+
+@st.composite
+def conv_cases(draw: st.DrawFn) -> dict[str, Any]:
+    k = draw(st.integers(0, 3))
+    digits = "".join(str(i) for i in range(k))
+    lhs_layout = "".join(draw(st.permutations("NC" + digits)))
+    rhs_layout = "".join(draw(st.permutations("IO" + digits)))
+    out_layout = "".join(draw(st.permutations("NC" + digits)))
+    grouping = draw(st.sampled_from(["none", "feature", "batch"]))
+    groups = draw(st.integers(2, 3)) if grouping != "none" else 1
+    gf = groups if grouping == "feature" else 1
+    gb = groups if grouping == "batch" else 1
+    cg = draw(st.integers(1, 3))
+    og = draw(st.integers(1, 3))
+    n = gb * draw(st.integers(0 if k else 1, 2))
+    sizes = {"N": n, "C": cg * gf}
+    ksizes = {"I": cg, "O": og * groups}
+    strides, pads, lhs_dil, rhs_dil = [], [], [], []
+    for i in range(k):
+        ksize = draw(st.integers(1, 3))
+        ksizes[str(i)] = ksize
+        sizes[str(i)] = draw(st.integers(1, 7))
+        strides.append(draw(st.integers(1, 3)))
+        lhs_dil.append(draw(st.integers(1, 3)))
+        rhs_dil.append(draw(st.integers(1, 2)))
+        lo, hi = draw(st.integers(-2, 3)), draw(st.integers(-2, 3))
+        # XLA aborts on a negative padded size; keep at least one window position.
+        short = (ksize - 1) * rhs_dil[-1] + 1 - ((sizes[str(i)] - 1) * lhs_dil[-1] + 1 + lo + hi)
+        pads.append((lo, hi + max(0, short)))
+    return dict(lhs_layout=lhs_layout, rhs_layout=rhs_layout, out_layout=out_layout,
+                lhs_shape=_layout_shape(lhs_layout, sizes), rhs_shape=_layout_shape(rhs_layout, ksizes),
+                strides=strides, pads=pads, lhs_dil=lhs_dil, rhs_dil=rhs_dil, gf=gf, gb=gb,
+                dtype=draw(st.sampled_from([np.float32, np.float32, np.int32, np.float16])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _xla_conv(case: dict[str, Any]) -> Callable[..., Any]:
+    dn = _conv_dnums(case["lhs_layout"], case["rhs_layout"], case["out_layout"])
+
+    def fn(lhs: tf.Tensor, rhs: tf.Tensor) -> tf.Tensor:
+        return xla.conv(lhs, rhs, window_strides=case["strides"], padding=case["pads"],
+                        lhs_dilation=case["lhs_dil"], rhs_dilation=case["rhs_dil"], dimension_numbers=dn,
+                        feature_group_count=case["gf"], batch_group_count=case["gb"],
+                        preferred_element_type=case["dtype"] if case["gb"] > 1 else None)
+
+    return fn
+
+
+@HYP
+@given(conv_cases())
+def test_conv_general_random(case: dict[str, Any]) -> None:
+    rng = np.random.default_rng(case["seed"])
+    lhs = rand(rng, case["lhs_shape"], case["dtype"])
+    rhs = rand(rng, case["rhs_shape"], case["dtype"])
+    try:
+        _xla_conv(case)(tf.constant(lhs), tf.constant(rhs))
+    except (tf.errors.InvalidArgumentError, ValueError):  # shapes XLA itself refuses
+        reject()
+    check(_xla_conv(case), lhs, rhs, expect="convolution")
+
+
+@pytest.mark.parametrize(
+    "strides,padding,dilations",
+    [(1, "SAME", 1), (2, "VALID", 1), (1, "SAME", 2), (2, [[0, 0], [2, 1], [0, 3], [0, 0]], 1)],
+)
+def test_conv2d_nhwc(strides: int, padding: Any, dilations: int) -> None:
+    rng = np.random.default_rng(1)
+    x, w = rand(rng, (2, 9, 10, 5)), rand(rng, (3, 3, 5, 7))
+    check(lambda x, w: tf.nn.conv2d(x, w, strides, padding, dilations=dilations), x, w, expect="convolution")
+
+
+def test_conv2d_gradients_and_transpose() -> None:
+    rng = np.random.default_rng(2)
+    x, w, dy = rand(rng, (2, 8, 8, 6)), rand(rng, (3, 3, 6, 4)), rand(rng, (2, 4, 4, 4))
+
+    def grads(x: tf.Tensor, w: tf.Tensor, dy: tf.Tensor) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv2d(x, w, 2, "SAME")
+        return tape.gradient(y, [x, w], output_gradients=dy)
+
+    check(grads, x, w, dy, expect="convolution")
+    wt = rand(rng, (3, 3, 4, 6))  # conv2d_transpose: (h, w, out, in)
+    check(lambda x, w: tf.nn.conv2d_transpose(x, w, (2, 16, 16, 4), 2, "SAME"), x, wt, expect="convolution")
+
+
+def test_grouped_and_depthwise_conv_with_gradients() -> None:
+    rng = np.random.default_rng(3)
+    x = rand(rng, (2, 7, 7, 6))
+    wg = rand(rng, (3, 3, 3, 4))  # 2 groups of 3 input features -> 4 outputs
+    wd = rand(rng, (3, 3, 6, 2))  # depthwise, multiplier 2
+    dy, dz = rand(rng, (2, 7, 7, 4)), rand(rng, (2, 4, 4, 12))
+
+    def grads(x: tf.Tensor, wg: tf.Tensor, wd: tf.Tensor, dy: tf.Tensor, dz: tf.Tensor) -> Any:
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([x, wg, wd])
+            y = tf.nn.conv2d(x, wg, 1, "SAME")
+            z = tf.nn.depthwise_conv2d(x, wd, [1, 2, 2, 1], "SAME")
+        return (tape.gradient(y, [x, wg], output_gradients=dy),
+                tape.gradient(z, [x, wd], output_gradients=dz))
+
+    check(grads, x, wg, wd, dy, dz, expect="convolution")
+
+
+def test_conv_fp16_bf16_and_int() -> None:
+    rng = np.random.default_rng(4)
+    x, w = rand(rng, (1, 6, 6, 8), np.float16), rand(rng, (3, 3, 8, 4), np.float16)
+    check(lambda x, w: tf.nn.conv2d(x, w, 1, "SAME"), x, w, expect="convolution")
+    xb, wb = x.astype(ml_dtypes.bfloat16), w.astype(ml_dtypes.bfloat16)
+    check(lambda x, w: tf.nn.conv2d(x, w, 1, "VALID"), xb, wb, expect="convolution", tol=2e-2)
+    dn = _conv_dnums("N01C", "01IO", "N01C")
+    xi, wi = rand(rng, (2, 5, 5, 3), np.int32) * 1000, rand(rng, (2, 2, 3, 2), np.int32) * 100000
+    check(lambda x, w: xla.conv(x, w, [1, 1], [(0, 0), (1, 0)], [1, 1], [1, 1], dn), xi, wi, expect="convolution")
+
+
+def test_conv_window_reversal_and_empty() -> None:
+    rng = np.random.default_rng(5)
+    # An empty batch, and an input that negative padding crops away entirely.
+    dn = _conv_dnums("NC0", "OI0", "NC0")
+    check(lambda x, w: xla.conv(x, w, [1], [(0, 0)], [1], [1], dn),
+          rand(rng, (0, 2, 5)), rand(rng, (3, 2, 2)), expect="convolution")
+    check(lambda x, w: xla.conv(x, w, [1], [(-3, -2)], [1], [1], dn),
+          rand(rng, (2, 2, 5)), rand(rng, (3, 2, 1)), expect="convolution")
+    # window_reversal is not reachable from TF; check it against the flipped kernel.
+    case = dict(lhs=rand(rng, (2, 3, 6, 5)), rhs=rand(rng, (4, 3, 3, 2)))
+    ctx = _FakeConvCtx(case["lhs"].shape, case["rhs"].shape, reversal=(1, 0))
+    ours = REGISTRY["convolution"](ctx)([case["lhs"], case["rhs"]])
+    flipped = np.ascontiguousarray(case["rhs"][:, :, ::-1, :])
+    ref = REGISTRY["convolution"](_FakeConvCtx(case["lhs"].shape, case["rhs"].shape, reversal=(0, 0)))(
+        [case["lhs"], flipped])
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+class _FakeConvCtx:
+    """A hand-written context: NCHW input, OIHW kernel, NCHW output, 3x2 kernel, no padding."""
+
+    def __init__(self, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], reversal: tuple[int, int]) -> None:
+        self.instr = ir_pb2.Instruction(name="convolution.1", opcode="convolution")
+        self.operand_shapes = [lhs_shape, rhs_shape]
+        self.operand_dtypes = [np.dtype(np.float32)] * 2
+        oh, ow = lhs_shape[2] - rhs_shape[2] + 1, lhs_shape[3] - rhs_shape[3] + 1
+        self.out_shape = (lhs_shape[0], rhs_shape[0], oh, ow)
+        self.out_dtype = np.dtype(np.float32)
+        self.attrs = dict(
+            input_batch_dimension=0, input_feature_dimension=1, input_spatial_dimensions=(2, 3),
+            kernel_input_feature_dimension=1, kernel_output_feature_dimension=0, kernel_spatial_dimensions=(2, 3),
+            output_batch_dimension=0, output_feature_dimension=1, output_spatial_dimensions=(2, 3),
+            window_size=tuple(rhs_shape[2:]), window_reversal=reversal, feature_group_count=1, batch_group_count=1)
+
+    def attr(self, name: str, default: Any = ...) -> Any:
+        if name in self.attrs:
+            return self.attrs[name]
+        if default is ...:
+            raise InvalidProgramError(name)
+        return default
+
+
+def test_conv_errors_name_the_instruction() -> None:
+    ctx = _FakeConvCtx((1, 3, 5, 5), (2, 3, 3, 2), (0, 0))
+    ctx.attrs["feature_group_count"] = 2
+    with pytest.raises(InvalidProgramError, match=r"convolution\.1.*feature_group_count 2"):
+        REGISTRY["convolution"](ctx)
+
+
+# ------------------------------------------------------------------------ reduce-window
+
+
+def _scalar_fn(body: Callable[[tf.Tensor, tf.Tensor], tf.Tensor], dtype: Any) -> Any:
+    spec = tf.TensorSpec((), tf.as_dtype(dtype))
+    return tf.function(body, autograph=False).get_concrete_function(spec, spec)
+
+
+_REDUCERS: dict[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = {
+    "add": lambda a, b: a + b,
+    "max": tf.maximum,
+    "min": tf.minimum,
+    "mul": lambda a, b: a * b,
+    "select_max": lambda a, b: tf.where(a > b, a, b),  # max, not recognizable as a ufunc
+}
+
+
+@st.composite
+def window_cases(draw: st.DrawFn, dilations: bool = True) -> dict[str, Any]:
+    rank = draw(st.integers(1, 4))
+    shape, size, strides, pads, bdil, wdil = [], [], [], [], [], []
+    for _ in range(rank):
+        s = draw(st.integers(0 if dilations else 1, 6))
+        k = draw(st.integers(1, 3))
+        bd = draw(st.integers(1, 2)) if dilations else 1
+        wd = draw(st.integers(1, 2)) if dilations else 1
+        lo, hi = draw(st.integers(-1 if dilations else 0, 2)), draw(st.integers(-1 if dilations else 0, 2))
+        dilated = (s - 1) * bd + 1 if s else 0
+        short = (k - 1) * wd + 1 - (dilated + lo + hi)
+        shape.append(s)
+        size.append(k)
+        strides.append(draw(st.integers(1, 3)))
+        pads.append((lo, hi + max(0, short)))
+        bdil.append(bd)
+        wdil.append(wd)
+    return dict(shape=shape, size=size, strides=strides, pads=pads, bdil=bdil, wdil=wdil,
+                seed=draw(st.integers(0, 2**16)))
+
+
+@HYP
+@given(window_cases(), st.sampled_from(["add", "max", "min", "mul", "select_max"]),
+       st.sampled_from([np.float32, np.int32]))
+def test_reduce_window_random(case: dict[str, Any], reducer: str, dtype: Any) -> None:
+    rng = np.random.default_rng(case["seed"])
+    x = rand(rng, case["shape"], dtype)
+    init = np.asarray({"add": 1, "max": -3, "min": 4, "mul": 1, "select_max": -100}[reducer], dtype)
+    comp = _scalar_fn(_REDUCERS[reducer], dtype)
+
+    def fn(x: tf.Tensor, init: tf.Tensor) -> tf.Tensor:
+        return xla.reduce_window(x, init, comp, case["size"], case["strides"], case["bdil"], case["wdil"],
+                                 case["pads"])
+
+    check(fn, x, init, expect="reduce-window")
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+def test_pooling_and_gradients(padding: str) -> None:
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 4, size=(2, 9, 8, 3)).astype(np.float32)  # ties on purpose
+    y_shape = tf.nn.max_pool2d(x, 3, 2, padding).shape
+    dy = rand(rng, y_shape)
+
+    def fn(x: tf.Tensor, dy: tf.Tensor) -> Any:
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            mx = tf.nn.max_pool2d(x, 3, 2, padding)
+            av = tf.nn.avg_pool2d(x, 3, 2, padding)
+            m2 = tf.nn.max_pool2d(x, 2, 2, padding)
+        dm2 = tf.ones_like(m2)
+        return (mx, av, tape.gradient(mx, x, output_gradients=dy), tape.gradient(av, x, output_gradients=dy),
+                tape.gradient(m2, x, output_gradients=dm2))
+
+    check(fn, x, dy, expect="select-and-scatter")
+
+
+def test_reduce_window_fp16_and_variadic() -> None:
+    rng = np.random.default_rng(7)
+    x = rand(rng, (2, 6, 6, 4), np.float16)
+    check(lambda x: tf.nn.avg_pool2d(x, 2, 2, "VALID"), x, expect="reduce-window")
+    # Variadic (min and max in one pass), against the single-operand kernel.
+    a, b = rand(rng, (5, 7)), rand(rng, (5, 7))
+    attrs = dict(window_size=(2, 3), window_strides=(1, 2), padding_low=(1, 0), padding_high=(0, 1))
+    ctx = _HandCtx("reduce-window", [a.shape, b.shape, (), ()], [np.float32] * 4, None, None, attrs,
+                   [lambda v: (np.minimum(v[0], v[2]), np.maximum(v[1], v[3]))])
+    got = REGISTRY["reduce-window"](ctx)([a, b, np.float32(np.inf), np.float32(-np.inf)])
+    for arr, uf, init, res in ((a, np.minimum, np.inf, got[0]), (b, np.maximum, -np.inf, got[1])):
+        one = _HandCtx("reduce-window", [arr.shape, ()], [np.float32] * 2, (5, 3), np.float32, attrs,
+                       [lambda v, uf=uf: uf(v[0], v[1])], ufunc=uf)
+        np.testing.assert_array_equal(res, REGISTRY["reduce-window"](one)([arr, np.float32(init)]))
+
+
+class _HandCtx:
+    """A hand-written KernelContext (for what TF cannot express)."""
+
+    def __init__(self, opcode: str, shapes: list[tuple[int, ...]], dtypes: list[Any], out_shape: Any,
+                 out_dtype: Any, attrs: dict[str, Any], comps: list[Callable[[Sequence[Any]], Any]],
+                 ufunc: np.ufunc | None = None) -> None:
+        self.instr = ir_pb2.Instruction(name=f"{opcode}.7", opcode=opcode)
+        self.operand_shapes = [tuple(s) for s in shapes]
+        self.operand_dtypes = [np.dtype(d) for d in dtypes]
+        self.out_shape = () if out_shape is None else tuple(out_shape)
+        self.out_dtype = None if out_dtype is None else np.dtype(out_dtype)
+        self.attrs, self.comps, self.ufunc = attrs, comps, ufunc
+
+    def attr(self, name: str, default: Any = ...) -> Any:
+        if name in self.attrs:
+            return self.attrs[name]
+        if default is ...:
+            raise InvalidProgramError(f"{self.instr.name}: missing attribute {name!r}")
+        return default
+
+    def computation(self, index: int) -> Callable[[Sequence[Any]], Any]:
+        return self.comps[index]
+
+    def reducer_ufunc(self, index: int) -> np.ufunc | None:
+        return self.ufunc
+
+
+# ------------------------------------------------------------------- select-and-scatter
+
+
+_SELECTS: dict[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = {
+    "ge": tf.greater_equal, "gt": tf.greater, "le": tf.less_equal,
+    "custom": lambda a, b: tf.logical_not(tf.less(a, b)),  # ge, spelled so probing must recognize it
+}
+
+
+@HYP
+@given(window_cases(dilations=False), st.sampled_from(["ge", "gt", "le", "custom"]),
+       st.sampled_from(["add", "max", "select_max"]), st.sampled_from([np.float32, np.int32]))
+def test_select_and_scatter_random(case: dict[str, Any], select: str, scatter: str, dtype: Any) -> None:
+    rng = np.random.default_rng(case["seed"])
+    x = rng.integers(0, 3, size=case["shape"]).astype(dtype)  # many ties
+    w = window.Window(tuple(case["size"]), tuple(case["strides"]), *zip(*case["pads"], strict=True),
+                      (1,) * len(case["shape"]), (1,) * len(case["shape"]), (False,) * len(case["shape"]))
+    src = rand(rng, w.output_sizes(case["shape"]), dtype)
+    init = np.asarray(2, dtype)
+    sel, sca = _scalar_fn(_SELECTS[select], dtype), _scalar_fn(_REDUCERS[scatter], dtype)
+
+    def fn(x: tf.Tensor, src: tf.Tensor, init: tf.Tensor) -> tf.Tensor:
+        return xla.select_and_scatter(x, case["size"], case["strides"], case["pads"], src, init, sel, sca)
+
+    check(fn, x, src, init, expect="select-and-scatter")
+
+
+# ------------------------------------------------------------------------------ gather
+
+
+def test_gather_tf_ops_and_embedding_gradient() -> None:
+    rng = np.random.default_rng(8)
+    table = rand(rng, (10, 4, 3))
+    ids = np.array([[0, 3, 9], [12, -1, 3]], np.int32)  # out of range: XLA clamps
+    check(lambda t, i: tf.gather(t, i), table, ids, expect="gather")
+    check(lambda t, i: tf.gather(t, i, axis=1), table, ids % 4, expect="gather")
+    bids = np.array([[1, 0], [3, 3], [2, 7], [0, 0], [1, 2], [3, 1], [0, 2], [1, 1], [2, 2], [3, 0]], np.int64)
+    check(lambda t, i: tf.gather(t, i, axis=1, batch_dims=1), table, bids, expect="gather")
+    nd = np.array([[1, 2], [9, 3], [0, 0], [4, 7]], np.int32)
+    check(lambda t, i: tf.gather_nd(t, i), table, nd, expect="gather")
+    ti = rand(rng, (6, 5), np.int32)
+    check(lambda t, i: tf.gather(t, i), ti, np.array([5, 0, 5], np.int32), expect="gather")
+    emb = rand(rng, (7, 4))
+    lookups = np.array([[1, 2, 1], [6, 0, 1]], np.int32)
+    dy = rand(rng, (2, 3, 4))
+
+    def grad(emb: tf.Tensor, ids: tf.Tensor, dy: tf.Tensor) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(emb)
+            y = tf.nn.embedding_lookup(emb, ids)
+        g = tape.gradient(y, emb, output_gradients=dy)
+        return y, tf.convert_to_tensor(g)
+
+    check(grad, emb, lookups, dy, expect="scatter")
+
+
+@st.composite
+def gather_cases(draw: st.DrawFn) -> dict[str, Any]:
+    rank = draw(st.integers(1, 4))
+    shape = [draw(st.integers(1, 5)) for _ in range(rank)]
+    dims = list(range(rank))
+    n_batching = draw(st.integers(0, min(1, rank - 1)))
+    op_batch = draw(st.permutations(dims))[:n_batching]
+    free = [d for d in dims if d not in op_batch]
+    index_map = draw(st.permutations(free))[: draw(st.integers(0 if free else 0, len(free)))]
+    collapsed = sorted(d for d in index_map if draw(st.booleans()))
+    slice_sizes = []
+    for d in dims:
+        if d in op_batch or d in collapsed:
+            slice_sizes.append(1)
+        else:
+            slice_sizes.append(draw(st.integers(0 if d not in index_map else 1, shape[d])))
+    n_idx_batch = draw(st.integers(n_batching, n_batching + 2))
+    idx_batch_shape = [draw(st.integers(1, 3)) for _ in range(n_idx_batch)]
+    for j, od in enumerate(op_batch):  # paired batch dims have equal sizes
+        idx_batch_shape[j] = shape[od]
+    ivd = draw(st.integers(0, n_idx_batch))
+    implicit = draw(st.booleans()) and len(index_map) == 1
+    if implicit:
+        ivd = n_idx_batch
+        idx_shape = list(idx_batch_shape)
+    else:
+        idx_shape = idx_batch_shape[:ivd] + [len(index_map)] + idx_batch_shape[ivd:]
+    batch_dims_of_idx = [d for d in range(len(idx_shape)) if d != ivd]
+    idx_batching = [batch_dims_of_idx[j] for j in range(n_batching)]
+    out_rank = n_idx_batch + (rank - len(collapsed) - n_batching)
+    offset_dims = sorted(draw(st.permutations(list(range(out_rank))))[: rank - len(collapsed) - n_batching])
+    return dict(shape=shape, index_map=index_map, collapsed=collapsed, slice_sizes=slice_sizes,
+                op_batch=op_batch, idx_batching=idx_batching, ivd=ivd, idx_shape=idx_shape,
+                offset_dims=offset_dims, seed=draw(st.integers(0, 2**16)),
+                dtype=draw(st.sampled_from([np.float32, np.int32, np.uint8])),
+                idx_dtype=draw(st.sampled_from([np.int32, np.int64])))
+
+
+def _gather_dnums(case: dict[str, Any]) -> xla_data_pb2.GatherDimensionNumbers:
+    d = xla_data_pb2.GatherDimensionNumbers()
+    d.offset_dims.extend(case["offset_dims"])
+    d.collapsed_slice_dims.extend(case["collapsed"])
+    d.start_index_map.extend(case["index_map"])
+    d.index_vector_dim = case["ivd"]
+    d.operand_batching_dims.extend(sorted(case["op_batch"]))
+    order = np.argsort(case["op_batch"]) if case["op_batch"] else []
+    d.start_indices_batching_dims.extend(case["idx_batching"][i] for i in order)
+    return d
+
+
+@HYP
+@given(gather_cases())
+def test_gather_random(case: dict[str, Any]) -> None:
+    rng = np.random.default_rng(case["seed"])
+    x = rand(rng, case["shape"], case["dtype"])
+    idx = rng.integers(-2, 7, size=case["idx_shape"]).astype(case["idx_dtype"])  # some out of range
+    dn = _gather_dnums(case)
+
+    def fn(x: tf.Tensor, idx: tf.Tensor) -> tf.Tensor:
+        return xla.gather(x, idx, dn, case["slice_sizes"])
+
+    check(fn, x, idx, expect="gather")
+
+
+# ----------------------------------------------------------------------------- scatter
+
+
+def test_tensor_scatter_tf_ops() -> None:
+    rng = np.random.default_rng(9)
+    x = rand(rng, (6, 4))
+    idx = np.array([[1], [3], [1], [9], [-1], [5]], np.int32)  # duplicates; out of range skipped
+    upd = rand(rng, (6, 4))
+    check(lambda x, i, u: tf.tensor_scatter_nd_add(x, i, u), x, idx, upd, expect="scatter")
+    check(lambda x, i, u: tf.tensor_scatter_nd_max(x, i, u), x, idx, upd, expect="scatter")
+    check(lambda x, i, u: tf.tensor_scatter_nd_min(x, i, u), x, idx, upd, expect="scatter")
+    uniq = np.array([[1], [3], [0], [9], [5], [2]], np.int32)
+    check(lambda x, i, u: tf.tensor_scatter_nd_update(x, i, u), x, uniq, upd, expect="scatter")
+    xi = rand(rng, (5, 3, 2), np.int32)
+    idx2 = np.array([[0, 1], [4, 2], [0, 1], [2, 3]], np.int64)
+    check(lambda x, i, u: tf.tensor_scatter_nd_add(x, i, u), xi, idx2, rand(rng, (4, 2), np.int32),
+          expect="scatter")
+    check(lambda x, i, u: tf.tensor_scatter_nd_sub(x, i, u), x.astype(np.float16), idx, upd.astype(np.float16),
+          expect="scatter")
+
+
+@st.composite
+def scatter_cases(draw: st.DrawFn) -> dict[str, Any]:
+    g = draw(gather_cases())
+    # The same geometry read backwards: gather's result shape is scatter's updates shape.
+    g["combine"] = draw(st.sampled_from(["add", "max", "mul", "assign", "select_max"]))
+    return g
+
+
+@HYP
+@given(scatter_cases())
+def test_scatter_random(case: dict[str, Any]) -> None:
+    rng = np.random.default_rng(case["seed"])
+    dtype = case["dtype"]
+    x = rand(rng, case["shape"], dtype)
+    idx = rng.integers(-2, 7, size=case["idx_shape"]).astype(case["idx_dtype"])
+    gd = _gather_dnums(case)
+    upd_shape = tf.raw_ops.XlaGather(operand=x, start_indices=idx, slice_sizes=case["slice_sizes"],
+                                     dimension_numbers=gd.SerializeToString(), indices_are_sorted=False).shape
+    upd = rand(rng, upd_shape, dtype)
+    dn = xla_data_pb2.ScatterDimensionNumbers()
+    dn.update_window_dims.extend(gd.offset_dims)
+    dn.inserted_window_dims.extend(gd.collapsed_slice_dims)
+    dn.scatter_dims_to_operand_dims.extend(gd.start_index_map)
+    dn.index_vector_dim = gd.index_vector_dim
+    dn.input_batching_dims.extend(gd.operand_batching_dims)
+    dn.scatter_indices_batching_dims.extend(gd.start_indices_batching_dims)
+    if case["combine"] == "assign":
+        # Duplicate targets make assignment order-dependent; keep the index vectors unique.
+        flat = np.moveaxis(idx, case["ivd"], -1) if case["ivd"] < idx.ndim else idx[..., None]
+        if len({tuple(v) for v in flat.reshape(-1, flat.shape[-1]).tolist()}) != flat.reshape(-1, flat.shape[-1]).shape[0] \
+                or case["op_batch"] or any(s != 1 for d, s in enumerate(case["slice_sizes"]) if d in case["index_map"]):
+            reject()
+        comp = _scalar_fn(lambda a, b: b, dtype)
+    else:
+        comp = _scalar_fn(_REDUCERS[case["combine"]], dtype)
+
+    def fn(x: tf.Tensor, idx: tf.Tensor, upd: tf.Tensor) -> tf.Tensor:
+        return tf.raw_ops.XlaScatter(operand=x, scatter_indices=idx, updates=upd, update_computation=comp,
+                                     dimension_numbers=dn.SerializeToString(), indices_are_sorted=False)
+
+    check(fn, x, idx, upd, expect="scatter")
+
+
+# ------------------------------------------------------------------ dynamic (update) slice
+
+
+@pytest.mark.parametrize("starts", [(0, 0, 0), (1, 2, 1), (-3, 7, 2), (5, 100, -1)])
+def test_dynamic_slice_and_update(starts: tuple[int, int, int]) -> None:
+    rng = np.random.default_rng(10)
+    x = rand(rng, (4, 6, 3))
+    s = np.array(starts, np.int32)
+    check(lambda x, s: xla.dynamic_slice(x, s, [2, 3, 2]), x, s, expect="dynamic-slice")
+    check(lambda x, s: xla.dynamic_slice(x, s, [4, 0, 3]), x, s, expect="dynamic-slice")
+    u = rand(rng, (3, 2, 3))
+    check(lambda x, u, s: xla.dynamic_update_slice(x, u, s), x, u, s, expect="dynamic-update-slice")
+    xi = rand(rng, (4, 6, 3), np.int64)
+    check(lambda x, u, s: xla.dynamic_update_slice(x, u, s), xi, u.astype(np.int64), s.astype(np.int64),
+          expect="dynamic-update-slice")

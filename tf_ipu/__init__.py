@@ -1,0 +1,21 @@
+"""tf_ipu: develop, run and size TensorFlow/Keras models for Graphcore IPUs, emulated.
+
+    user code (Keras fit/evaluate/predict, strategy.run)
+      tf_ipu         IPUConfig, IPUStrategy, Keras integration, lowering, client
+      tf_ipu_ops     the IpuExecute op that stands for the device in traced graphs
+        ==gRPC==>    device_server: sessions, IPUs, executables, the IPU emulator
+
+Importing tf_ipu loads the op library and registers the process's device runtime as the
+handler of IpuExecute kernels, so graphs and SavedModels holding device calls run here.
+"""
+
+from tf_ipu import errors
+from tf_ipu.config import IPUConfig
+from tf_ipu.runtime import get_runtime
+from tf_ipu.strategy import IPUStrategy
+
+__version__ = "0.1.0"
+
+get_runtime().ensure_handler()
+
+__all__ = ["IPUConfig", "IPUStrategy", "errors", "get_runtime", "__version__"]

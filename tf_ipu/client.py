@@ -1,0 +1,592 @@
+"""The host side of the device protocol: a thin, typed wrapper over the gRPC stub.
+
+    tf_ipu.runtime -> DeviceClient (this module) ==gRPC==> device_server.service.DeviceService
+                      |- one session, its lease kept by a heartbeat thread
+                      '- numpy arrays <-> wire Tensors (raw bytes + dtype + dims; no pickle)
+
+Every call has a deadline; a server that cannot be reached raises ``DeviceUnavailableError``
+naming the address within ``connect_timeout`` (10 s by default), never a hang. gRPC errors
+are re-raised as ``tf_ipu.errors.DeviceError`` subclasses carrying the server's message and
+address. Does not import TensorFlow.
+
+Example:
+    >>> client = DeviceClient("127.0.0.1:50051")
+    >>> client.open_session()
+    >>> client.attach(1, "ipu2")
+    >>> program = client.compile(module)
+    >>> [y] = client.execute(program.executable_id, [x])
+    >>> client.close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from device_server.protocol import device_pb2, device_pb2_grpc, dtypes, ir_pb2
+from tf_ipu import errors
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+ERROR_KIND_METADATA = "tf-ipu-error-kind"
+_GRPC_INT_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class VariableRef:
+    """Binds an entry parameter to a device-resident variable of the session, by key."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype and shape of one entry parameter or output."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"TensorSpec({self.dtype}, {list(self.shape)})"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The emulator's first estimate for one execution of a program (see device.proto).
+
+    ``json`` is the full report; ``report`` parses it.
+    """
+
+    ipu_version: str
+    tiles_per_ipu: int
+    clock_hz: float
+    cycles: int
+    seconds: float
+    peak_tile_bytes: int
+    tile_bytes_limit: int
+    total_bytes: int
+    fits: bool
+    json: str = ""
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """The full report as a dict ({} if the server sent none)."""
+        return json.loads(self.json) if self.json else {}
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    """What Compile returned.
+
+    Attributes:
+        executable_id: handle valid in this client's session only.
+        cache_hit: the server had it compiled already.
+        parameters, outputs: specs of the entry parameters and flattened outputs.
+        aliases: output index -> parameter number whose new value the output carries.
+        estimate: the emulator's estimate.
+        compile_seconds: server-side compile time (0 for a cache hit).
+    """
+
+    executable_id: str
+    cache_hit: bool
+    parameters: list[TensorSpec]
+    outputs: list[TensorSpec]
+    aliases: dict[int, int]
+    estimate: Estimate
+    compile_seconds: float
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What OpenSession returned."""
+
+    session_id: str
+    server_version: str
+    default_ipu_version: str
+    num_ipus: int
+    free_ipus: int
+    max_message_bytes: int
+    lease_seconds: float
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What AttachIpus returned."""
+
+    ipu_ids: list[int]
+    ipu_version: str
+    tiles_per_ipu: int
+
+
+@dataclass
+class _Heartbeat:
+    thread: threading.Thread
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """gRPC channel options: message limits lifted to ``max_message_bytes`` (<= 0:
+    unlimited), and a quick reconnect after the server restarts."""
+    n = -1 if max_message_bytes <= 0 else min(int(max_message_bytes), _GRPC_INT_MAX)
+    return [
+        ("grpc.max_send_message_length", n),
+        ("grpc.max_receive_message_length", n),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+class DeviceClient:
+    """A connection to a device server, with at most one session.
+
+    Args:
+        address: ``host:port`` of the server.
+        timeout: deadline in seconds of control calls (sessions, IPUs, heartbeats,
+            counters), and of reaching the server at all (``connect_timeout``).
+        run_timeout: deadline of Compile, Execute and variable transfers, which can
+            legitimately take long on an emulated device.
+        max_message_bytes: largest message either way (the server's is 1 GiB by default).
+        client_name: shown in the server's logs.
+
+    Raises:
+        ValueError: an empty address or non-positive timeouts.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 10.0,
+        run_timeout: float = 600.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        client_name: str = "",
+    ) -> None:
+        if not address or not isinstance(address, str):
+            raise ValueError(f"DeviceClient needs a 'host:port' address. Received: {address!r}")
+        if not timeout > 0 or not run_timeout > 0:
+            raise ValueError(
+                f"Timeouts must be > 0. Received: timeout={timeout}, run_timeout={run_timeout}"
+            )
+        self.address = address
+        self.timeout = float(timeout)
+        self.run_timeout = float(run_timeout)
+        self.client_name = client_name or f"tf_ipu pid {os.getpid()}"
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._stub = device_pb2_grpc.DeviceServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._session: SessionInfo | None = None
+        self._attachment: Attachment | None = None
+        self._heartbeat: _Heartbeat | None = None
+        self._reachable = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self.heartbeat_failures = 0
+
+    def __repr__(self) -> str:
+        sid = self._session.session_id[:8] + ".." if self._session else None
+        return (
+            f"DeviceClient(address={self.address!r}, session={sid}, "
+            f"ipus={self._attachment.ipu_ids if self._attachment else []})"
+        )
+
+    def __enter__(self) -> DeviceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        """The open session's id (raises ``FailedPreconditionError`` if none)."""
+        if self._session is None:
+            raise errors.FailedPreconditionError(
+                "No session is open on this client; call open_session() first.", self.address
+            )
+        return self._session.session_id
+
+    @property
+    def session(self) -> SessionInfo | None:
+        """What OpenSession returned, or None."""
+        return self._session
+
+    @property
+    def attachment(self) -> Attachment | None:
+        """What AttachIpus returned, or None."""
+        return self._attachment
+
+    def _error(self, method: str, e: grpc.RpcError, timeout: float) -> errors.DeviceError:
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        details = (e.details() if hasattr(e, "details") else None) or str(e)
+        kind = ""
+        try:
+            for k, v in e.trailing_metadata() or ():
+                if k == ERROR_KIND_METADATA:
+                    kind = v.decode() if isinstance(v, bytes) else str(v)
+        except Exception:  # no metadata on locally generated errors
+            pass
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            details = f"{method} got no answer within {timeout:g} s ({details})"
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            details = f"{method}: cannot reach the device server ({details})"
+        return errors.from_status(code.name, details, self.address, kind)
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise errors.FailedPreconditionError(f"{method}: the client is closed.", self.address)
+        if not self._reachable:
+            self._probe()
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise self._error(method, e, timeout) from None
+
+    def _probe(self) -> None:
+        """One health check without waiting for a connection: fails fast on a refused
+        port and within ``timeout`` on an address that does not answer."""
+        try:
+            self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # every device server has one
+                raise errors.DeviceUnavailableError(
+                    f"Something answers at {self.address}, but not a tf_ipu device server "
+                    f"(no health service: {e.details()})",
+                    self.address,
+                ) from None
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise errors.DeviceUnavailableError(
+                    f"No device server answers at {self.address} "
+                    f"(waited up to {self.timeout:g} s): {e.details()}",
+                    self.address,
+                ) from None
+            raise self._error("Health.Check", e, self.timeout) from None
+        self._reachable = True
+
+    def wait_for_server(self, deadline: float = 10.0) -> None:
+        """Waits until the server's health service reports SERVING.
+
+        Args:
+            deadline: seconds to wait at most.
+
+        Raises:
+            DeviceUnavailableError: naming the address and what the last attempt saw.
+        """
+        end = time.monotonic() + deadline
+        last = "no attempt"
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeviceUnavailableError(
+                    f"The device server at {self.address} was not serving within "
+                    f"{deadline:g} s (last check: {last}).",
+                    self.address,
+                )
+            try:
+                reply = self._health.Check(
+                    health_pb2.HealthCheckRequest(), timeout=min(remaining, 2.0)
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    self._reachable = True
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+    def healthy(self) -> bool:
+        """Whether the server answers SERVING and this client's session (if any) is open."""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=min(self.timeout, 2.0))
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+            if self._session is not None:
+                self._stub.Heartbeat(device_pb2.SessionRef(session_id=self._session.session_id),
+                                     timeout=min(self.timeout, 2.0))
+            return True
+        except grpc.RpcError:
+            return False
+
+    # -- sessions and IPUs --------------------------------------------------------------
+
+    def open_session(self, lease_seconds: float = 0.0) -> SessionInfo:
+        """Opens this client's session and starts its heartbeat.
+
+        Args:
+            lease_seconds: the lease; 0 for the server's default. The heartbeat renews it
+                three times per lease.
+
+        Returns:
+            A ``SessionInfo``.
+
+        Raises:
+            FailedPreconditionError: a session is already open on this client.
+        """
+        with self._lock:
+            if self._session is not None:
+                raise errors.FailedPreconditionError(
+                    f"Session {self._session.session_id} is already open on this client.",
+                    self.address,
+                )
+            reply = self._call(
+                "OpenSession",
+                device_pb2.OpenSessionRequest(client_name=self.client_name, lease_seconds=lease_seconds),
+            )
+            self._session = SessionInfo(
+                session_id=reply.session_id,
+                server_version=reply.server_version,
+                default_ipu_version=reply.default_ipu_version,
+                num_ipus=reply.num_ipus,
+                free_ipus=reply.free_ipus,
+                max_message_bytes=reply.max_message_bytes,
+                lease_seconds=reply.lease_seconds,
+            )
+            self._start_heartbeat(reply.session_id, reply.lease_seconds)
+            logger.debug("opened session %s on %s", reply.session_id, self.address)
+            return self._session
+
+    def attach(self, num_ipus: int = 1, ipu_version: str = "", tiles_per_ipu: int = 0) -> Attachment:
+        """Attaches IPUs to the session, exclusively.
+
+        Args:
+            num_ipus: how many.
+            ipu_version: ``"ipu1"``, ``"ipu2"``, ``"bow"``; ``""`` for the server's default.
+            tiles_per_ipu: 0 for the version's full tile count.
+
+        Returns:
+            An ``Attachment`` (ids, canonical version, tiles per IPU).
+
+        Raises:
+            ResourceExhaustedError: fewer free IPUs than asked (the message says how many).
+        """
+        reply = self._call(
+            "AttachIpus",
+            device_pb2.AttachIpusRequest(
+                session_id=self.session_id, num_ipus=num_ipus, ipu_version=ipu_version,
+                tiles_per_ipu=tiles_per_ipu,
+            ),
+        )
+        self._attachment = Attachment(list(reply.ipu_ids), reply.ipu_version, reply.tiles_per_ipu)
+        return self._attachment
+
+    def detach(self) -> None:
+        """Releases the session's IPUs (its executable handles go with them)."""
+        self._call("DetachIpus", device_pb2.SessionRef(session_id=self.session_id))
+        self._attachment = None
+
+    def close(self) -> None:
+        """Closes the session (best effort if the server is gone) and the channel.
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._stop_heartbeat()
+            if self._session is not None:
+                try:
+                    self._stub.CloseSession(
+                        device_pb2.SessionRef(session_id=self._session.session_id),
+                        timeout=min(self.timeout, 5.0),
+                    )
+                except grpc.RpcError as e:
+                    logger.debug("CloseSession on %s: %s", self.address, e.code().name)
+                self._session = None
+                self._attachment = None
+            self._closed = True
+            self._channel.close()
+
+    def _start_heartbeat(self, session_id: str, lease_seconds: float) -> None:
+        interval = max(0.05, lease_seconds / 3.0)
+        stop = threading.Event()
+
+        def beat() -> None:
+            request = device_pb2.SessionRef(session_id=session_id)
+            while not stop.wait(interval):
+                try:
+                    self._stub.Heartbeat(request, timeout=max(interval, 1.0))
+                except grpc.RpcError as e:
+                    self.heartbeat_failures += 1
+                    logger.warning("heartbeat of session %s to %s failed: %s %s", session_id,
+                                   self.address, e.code().name, e.details())
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        return  # the session is gone; nothing left to keep alive
+                except ValueError:  # channel closed under us
+                    return
+
+        thread = threading.Thread(target=beat, name=f"tf-ipu-heartbeat-{session_id[:8]}", daemon=True)
+        self._heartbeat = _Heartbeat(thread, stop)
+        thread.start()
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop.set()
+            if self._heartbeat.thread is not threading.current_thread():
+                self._heartbeat.thread.join(timeout=self.timeout)
+            self._heartbeat = None
+
+    # -- programs -----------------------------------------------------------------------
+
+    def compile(
+        self,
+        module: ir_pb2.Module,
+        options: device_pb2.CompileOptions | None = None,
+        *,
+        refuse_opcodes: Iterable[str] = (),
+        fault_inject_opcode: str = "",
+        allow_out_of_memory: bool = False,
+    ) -> CompiledProgram:
+        """Compiles a program for the session's IPUs (cached on the server by content).
+
+        Args:
+            module: the IR program.
+            options: compile options as a message; or give the keyword arguments, which
+                are added to it.
+            refuse_opcodes: opcodes to refuse (debugging).
+            fault_inject_opcode: opcode whose results to perturb (debugging).
+            allow_out_of_memory: compile (and report) even if it does not fit.
+
+        Returns:
+            A ``CompiledProgram``.
+
+        Raises:
+            UnsupportedOpError, OutOfMemoryError, InvalidArgumentError,
+            FailedPreconditionError (no IPUs attached).
+        """
+        opts = device_pb2.CompileOptions()
+        if options is not None:
+            opts.CopyFrom(options)
+        opts.refuse_opcodes.extend(refuse_opcodes)
+        if fault_inject_opcode:
+            opts.fault_inject_opcode = fault_inject_opcode
+        if allow_out_of_memory:
+            opts.allow_out_of_memory = True
+        reply = self._call(
+            "Compile",
+            device_pb2.CompileRequest(session_id=self.session_id, module=module, options=opts),
+            self.run_timeout,
+        )
+        e = reply.estimate
+        return CompiledProgram(
+            executable_id=reply.executable_id,
+            cache_hit=reply.cache_hit,
+            parameters=[_spec(s) for s in reply.parameters],
+            outputs=[_spec(s) for s in reply.outputs],
+            aliases={int(a.output_index): int(a.parameter_number) for a in reply.aliases},
+            estimate=Estimate(
+                ipu_version=e.ipu_version, tiles_per_ipu=e.tiles_per_ipu, clock_hz=e.clock_hz,
+                cycles=e.cycles, seconds=e.seconds, peak_tile_bytes=e.peak_tile_bytes,
+                tile_bytes_limit=e.tile_bytes_limit, total_bytes=e.total_bytes, fits=e.fits,
+                json=e.json,
+            ),
+            compile_seconds=reply.compile_seconds,
+        )
+
+    # -- variables ----------------------------------------------------------------------
+
+    def write_variables(self, variables: Mapping[str, np.ndarray]) -> None:
+        """Writes (creating if new) device-resident variables of the session, all at once."""
+        request = device_pb2.WriteVariablesRequest(session_id=self.session_id)
+        for key, value in variables.items():
+            request.variables.append(device_pb2.NamedTensor(key=key, tensor=_to_tensor(value, key)))
+        self._call("WriteVariables", request, self.run_timeout)
+
+    def read_variables(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """Reads device-resident variables back.
+
+        Returns:
+            key -> array (read-only views of the reply's bytes; copy to modify).
+
+        Raises:
+            NotFoundError: naming the first key the session does not have.
+        """
+        reply = self._call(
+            "ReadVariables",
+            device_pb2.ReadVariablesRequest(session_id=self.session_id, keys=list(keys)),
+            self.run_timeout,
+        )
+        return {
+            v.key: dtypes.from_tensor(v.tensor, what=f"variable {v.key!r}") for v in reply.variables
+        }
+
+    # -- execution ----------------------------------------------------------------------
+
+    def execute(
+        self,
+        executable_id: str,
+        bindings: Sequence[np.ndarray | VariableRef | Any],
+        return_updated_variables: bool = False,
+        timeout: float | None = None,
+    ) -> list[np.ndarray | None]:
+        """Runs an executable once.
+
+        Args:
+            executable_id: from ``compile`` in this session.
+            bindings: one per entry parameter, in order: an array (sent with the call) or a
+                ``VariableRef`` (a resident variable; if the parameter is aliased to an
+                output, the device keeps the new value under that key).
+            return_updated_variables: also send back the new values of resident variables.
+            timeout: deadline in seconds (``run_timeout`` by default).
+
+        Returns:
+            The flattened outputs as arrays (read-only views; copy to modify). An output
+            that updated a resident variable is ``None`` unless
+            ``return_updated_variables``.
+
+        Raises:
+            InvalidArgumentError: naming the parameter number, expected and received types.
+            NotFoundError: unknown executable id or variable key.
+        """
+        request = device_pb2.ExecuteRequest(
+            session_id=self.session_id,
+            executable_id=executable_id,
+            return_updated_variables=return_updated_variables,
+        )
+        for number, b in enumerate(bindings):
+            if isinstance(b, VariableRef):
+                request.parameters.append(device_pb2.ParameterBinding(variable_key=b.key))
+            else:
+                request.parameters.append(
+                    device_pb2.ParameterBinding(value=_to_tensor(b, f"parameter {number}"))
+                )
+        reply = self._call("Execute", request, self.run_timeout if timeout is None else timeout)
+        outputs: list[np.ndarray | None] = []
+        for i, t in enumerate(reply.outputs):
+            count = 1
+            for d in t.dims:
+                count *= d
+            if count and not t.data:
+                outputs.append(None)  # stayed on the device
+            else:
+                outputs.append(dtypes.from_tensor(t, what=f"output {i}"))
+        return outputs
+
+    def counters(self) -> dict[str, int]:
+        """The server's counters (``sessions_opened``, ``compiles``, ``cache_hits``,
+        ``executions``, ``bytes_in``, ``bytes_out``, ``errors.<CODE>``, ...)."""
+        return dict(self._call("GetCounters", device_pb2.Empty()).counters)
+
+    def prometheus_text(self) -> str:
+        """The server's counters in the Prometheus text format."""
+        return self._call("GetCounters", device_pb2.Empty()).prometheus_text
+
+
+def _spec(s: device_pb2.TensorSpec) -> TensorSpec:
+    return TensorSpec(dtypes.to_numpy(s.dtype), tuple(int(d) for d in s.dims))
+
+
+def _to_tensor(value: Any, what: str) -> device_pb2.Tensor:
+    try:
+        return dtypes.to_tensor(np.asarray(value))
+    except ValueError as e:
+        raise errors.InvalidArgumentError(f"{what}: {e}") from None

@@ -1,0 +1,207 @@
+"""IPUConfig: what the host asks of the device system (how many IPUs, which chip, which server).
+
+The names follow Graphcore's IPU TensorFlow API (``IPUConfig``, ``auto_select_ipus``,
+``ipu_model.version``, ``ipu_model.tiles_per_ipu``, ``floating_point_behaviour``,
+``configure_ipu_system``) so that code written for it ports over.
+
+    cfg = tf_ipu.IPUConfig()
+    cfg.auto_select_ipus = 1
+    cfg.ipu_model.version = "ipu2"       # "ipu1" = GC2, "ipu2" = GC200, "bow" (or "ipu21") = Bow
+    cfg.configure_ipu_system()           # no server given: starts a local device server
+
+Environment variables:
+    TF_IPU_SERVER=host:port   use that device server instead of starting a local one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+IPU_VERSIONS = {"ipu1": "ipu1", "ipu2": "ipu2", "bow": "bow", "ipu21": "bow"}
+"""Accepted architecture names and the canonical name each stands for."""
+
+_TILES = {"ipu1": 1216, "ipu2": 1472, "bow": 1472}
+
+
+class _Section:
+    """A group of options; refuses unknown attribute names (a typo must not pass silently)."""
+
+    _fields: dict[str, Any] = {}
+    _path = ""
+
+    def __init__(self) -> None:
+        for name, default in self._fields.items():
+            object.__setattr__(self, name, default)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._fields:
+            raise AttributeError(
+                f"{self._path}.{name} is not an IPUConfig option. "
+                f"Options here: {', '.join(sorted(self._fields))}."
+            )
+        object.__setattr__(self, name, self._check(name, value))
+
+    def _check(self, name: str, value: Any) -> Any:
+        return value
+
+    def _as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self._fields:
+            value = getattr(self, name)
+            out[name] = value._as_dict() if isinstance(value, _Section) else value
+        return out
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self._as_dict().items())
+        return f"{type(self).__name__}({fields})"
+
+
+class IpuModelOptions(_Section):
+    """``ipu_model``: which emulated chip to compile for.
+
+    Attributes:
+        version: "ipu1" (GC2), "ipu2" (GC200), "bow" (Bow; "ipu21" is accepted too).
+        tiles_per_ipu: 0 for the chip's full tile count, or fewer for quick experiments.
+    """
+
+    _fields = {"version": "ipu2", "tiles_per_ipu": 0}
+    _path = "IPUConfig.ipu_model"
+
+    def _check(self, name: str, value: Any) -> Any:
+        if name == "version":
+            key = str(value).lower()
+            if key not in IPU_VERSIONS:
+                raise ValueError(
+                    f"IPUConfig.ipu_model.version must be one of "
+                    f"{sorted(IPU_VERSIONS)}. Received: version={value!r}"
+                )
+            return key
+        if name == "tiles_per_ipu":
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"IPUConfig.ipu_model.tiles_per_ipu must be an int >= 0. "
+                    f"Received: tiles_per_ipu={value!r}"
+                )
+        return value
+
+
+class FloatingPointBehaviour(_Section):
+    """``floating_point_behaviour``: exception checks and stochastic rounding (recorded;
+    the emulator's numerics issue acts on them)."""
+
+    _fields = {"inv": False, "div0": False, "oflo": False, "esr": False, "nanoo": False}
+    _path = "IPUConfig.floating_point_behaviour"
+
+    def _check(self, name: str, value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise ValueError(f"{self._path}.{name} must be a bool. Received: {value!r}")
+        return value
+
+
+class DebugOptions(_Section):
+    """``debug``: test switches passed to every compile.
+
+    Attributes:
+        refuse_opcodes: opcodes the emulator must refuse at compile time.
+        fault_inject_opcode: an opcode whose results the emulator perturbs at run time.
+        allow_out_of_memory: compile (and report) programs that do not fit.
+    """
+
+    _fields = {"refuse_opcodes": (), "fault_inject_opcode": "", "allow_out_of_memory": False}
+    _path = "IPUConfig.debug"
+
+    def _check(self, name: str, value: Any) -> Any:
+        if name == "refuse_opcodes":
+            if isinstance(value, str):
+                value = (value,)
+            return tuple(str(v) for v in value)
+        return value
+
+
+class IPUConfig(_Section):
+    """Configuration of the IPU system this process uses.
+
+    Attributes:
+        auto_select_ipus: how many IPUs to attach (exclusively) on the device server.
+        ipu_model: an ``IpuModelOptions`` (``version``, ``tiles_per_ipu``).
+        server_address: "host:port" of a device server; None: ``$TF_IPU_SERVER`` if set,
+            else a local server started for this process.
+        floating_point_behaviour: a ``FloatingPointBehaviour``.
+        debug: ``DebugOptions`` (test switches).
+        connect_timeout: seconds to wait for the server before failing.
+
+    Example:
+        >>> cfg = IPUConfig()
+        >>> cfg.auto_select_ipus = 1
+        >>> cfg.ipu_model.version = "bow"
+        >>> cfg.ipu_model.version
+        'bow'
+    """
+
+    _path = "IPUConfig"
+
+    def __init__(self) -> None:
+        object.__setattr__(
+            self,
+            "_fields",
+            {
+                "auto_select_ipus": 1,
+                "ipu_model": IpuModelOptions(),
+                "server_address": None,
+                "floating_point_behaviour": FloatingPointBehaviour(),
+                "debug": DebugOptions(),
+                "connect_timeout": 10.0,
+            },
+        )
+        super().__init__()
+
+    def _check(self, name: str, value: Any) -> Any:
+        if name == "auto_select_ipus":
+            if isinstance(value, (list, tuple)):
+                if len(value) != 1:
+                    raise ValueError(
+                        "IPUConfig.auto_select_ipus: one group of IPUs is supported. "
+                        f"Received: auto_select_ipus={value!r}"
+                    )
+                value = value[0]
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"IPUConfig.auto_select_ipus must be an int >= 1. "
+                    f"Received: auto_select_ipus={value!r}"
+                )
+        if name in ("ipu_model", "floating_point_behaviour", "debug"):
+            raise AttributeError(f"IPUConfig.{name} is a group: set its fields instead.")
+        if name == "server_address" and value is not None:
+            value = str(value)
+            if ":" not in value:
+                raise ValueError(
+                    f"IPUConfig.server_address must be 'host:port'. Received: {value!r}"
+                )
+        return value
+
+    @property
+    def resolved_server_address(self) -> str | None:
+        """The server to use: ``server_address``, else ``$TF_IPU_SERVER``, else None (local)."""
+        return self.server_address or os.environ.get("TF_IPU_SERVER") or None
+
+    @property
+    def ipu_version(self) -> str:
+        """The canonical architecture name ("ipu1", "ipu2" or "bow")."""
+        return IPU_VERSIONS[self.ipu_model.version]
+
+    def configure_ipu_system(self) -> None:
+        """Connects this process to a device server and attaches its IPUs.
+
+        With no server configured, starts a local device server as a subprocess on a free
+        loopback port; it lives as long as this process. Calling it again (a re-run notebook
+        cell) reuses the connection when nothing changed, or reattaches as the new config asks.
+        """
+        from tf_ipu import runtime
+
+        runtime.get_runtime().configure(self)
+
+
+def default_tiles(version: str) -> int:
+    """Full tile count of a canonical architecture name."""
+    return _TILES[IPU_VERSIONS[version]]

@@ -1,0 +1,172 @@
+"""Errors raised by tf_ipu when the device (server) says no.
+
+Every error carries the gRPC status code (``code``, e.g. ``"INVALID_ARGUMENT"``, and the
+number ``grpc_code``, which is also the TF/absl status code, so the op library fails a
+device call with the matching ``tf.errors`` class), the server's message, and the address of
+the server that said it.
+
+    DeviceError
+     |- DeviceUnavailableError      server unreachable, gone, or not answering (UNAVAILABLE)
+     |- DeadlineExceededError       a call ran past its deadline
+     |- InvalidArgumentError        bad program or arguments (wrong dtype/shape/arity, ...)
+     |- NotFoundError               unknown session, executable handle or variable key
+     |- ResourceExhaustedError      no free IPUs, too many queued calls, message too large
+     |   '- OutOfMemoryError        the program does not fit in tile memory
+     |- UnsupportedOpError          an opcode the emulator does not (or is told not to) run
+     |                              (UNIMPLEMENTED from a server without the method: DeviceError)
+     |- FailedPreconditionError     calls in the wrong order (e.g. Compile before AttachIpus)
+     '- InternalError               a fault inside the server
+"""
+
+from __future__ import annotations
+
+# gRPC status codes by name (the same numbers as TF/absl status codes).
+GRPC_CODES: dict[str, int] = {
+    "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5, "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12,
+    "INTERNAL": 13, "UNAVAILABLE": 14, "DATA_LOSS": 15, "UNAUTHENTICATED": 16,
+}
+
+
+class DeviceError(Exception):
+    """An error reported by (or about) the device server.
+
+    Args:
+        code: gRPC status code name, e.g. ``"INVALID_ARGUMENT"``.
+        message: what the server (or the transport) said.
+        address: ``host:port`` of the server, when known.
+
+    Example:
+        >>> try:
+        ...     client.execute(exe_id, [x])
+        ... except DeviceError as e:
+        ...     print(e.code, e.message, e.address)
+    """
+
+    def __init__(self, code: str, message: str, address: str = "") -> None:
+        self.code = code
+        self.message = message
+        self.address = address
+        super().__init__(str(self))
+
+    @property
+    def grpc_code(self) -> int:
+        """The numeric status code (2 = UNKNOWN for a name gRPC does not have)."""
+        return GRPC_CODES.get(self.code, 2)
+
+    def __str__(self) -> str:
+        where = f" (device server at {self.address})" if self.address else ""
+        return f"{self.code}: {self.message}{where}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r}, address={self.address!r})"
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (type(self), self.code, self.message, self.address))
+
+
+def _rebuild(cls: type, code: str, message: str, address: str) -> DeviceError:
+    err = Exception.__new__(cls)
+    DeviceError.__init__(err, code, message, address)
+    return err
+
+
+class _CodedError(DeviceError):
+    """A DeviceError whose code is fixed by its class: ``Cls(message, address="")``."""
+
+    CODE = "UNKNOWN"
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(self.CODE, message, address)
+
+
+class DeviceUnavailableError(_CodedError):
+    """The server cannot be reached, went away, or did not answer in time."""
+
+    CODE = "UNAVAILABLE"
+
+
+class DeadlineExceededError(_CodedError):
+    """A call did not complete within its deadline."""
+
+    CODE = "DEADLINE_EXCEEDED"
+
+
+class InvalidArgumentError(_CodedError):
+    """The server refused the program or the arguments of a call."""
+
+    CODE = "INVALID_ARGUMENT"
+
+
+class NotFoundError(_CodedError):
+    """A session, executable handle or variable key the server does not have."""
+
+    CODE = "NOT_FOUND"
+
+
+class ResourceExhaustedError(_CodedError):
+    """Not enough of something: free IPUs, queue slots, message size."""
+
+    CODE = "RESOURCE_EXHAUSTED"
+
+
+class OutOfMemoryError(ResourceExhaustedError):
+    """The program does not fit in the IPUs' tile memory."""
+
+
+class UnsupportedOpError(_CodedError):
+    """The program uses an opcode the emulator does not run (or was told to refuse)."""
+
+    CODE = "UNIMPLEMENTED"
+
+
+class FailedPreconditionError(_CodedError):
+    """A call made in the wrong state (e.g. Compile before AttachIpus)."""
+
+    CODE = "FAILED_PRECONDITION"
+
+
+class InternalError(_CodedError):
+    """A fault inside the device server."""
+
+    CODE = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[_CodedError]] = {
+    cls.CODE: cls
+    for cls in (DeviceUnavailableError, DeadlineExceededError, InvalidArgumentError,
+                NotFoundError, ResourceExhaustedError, UnsupportedOpError,
+                FailedPreconditionError, InternalError)
+}
+
+
+def from_status(code: str, message: str, address: str = "", kind: str = "") -> DeviceError:
+    """The ``DeviceError`` subclass for a gRPC status.
+
+    Args:
+        code: status code name, e.g. ``"RESOURCE_EXHAUSTED"``.
+        message: the status details.
+        address: the server's address.
+        kind: the server's refinement (trailing metadata ``tf-ipu-error-kind``), e.g.
+            ``"out-of-memory"``.
+
+    Returns:
+        An instance of the most specific class (``DeviceError`` itself for other codes).
+    """
+    if code == "RESOURCE_EXHAUSTED" and kind == "out-of-memory":
+        return OutOfMemoryError(message, address)
+    if code == "UNIMPLEMENTED" and kind != "unsupported-op":
+        # The server does not have the method at all: not an opcode the program uses.
+        return DeviceError(code, f"{message} (does the server speak this protocol version?)", address)
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return DeviceError(code, message, address)
+    return cls(message, address)
+
+
+__all__ = [
+    "DeadlineExceededError", "DeviceError", "DeviceUnavailableError", "FailedPreconditionError",
+    "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
+    "ResourceExhaustedError", "UnsupportedOpError", "from_status",
+]

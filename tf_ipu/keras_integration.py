@@ -1,0 +1,301 @@
+"""Keras integration: fit/evaluate/predict run their steps on the IPU, N steps per device call.
+
+    model.fit ──> train_function(iterator)            (this module, host side)
+                   ├─ pull up to N batches in one traced call (infeed side)
+                   ├─ stack them: [N, batch, ...] per input
+                   └─ device program: a loop of N train_steps  ──IpuExecute──> device server
+                                          (outfeed: the last step's logs, or every step's
+                                           predictions for predict)
+
+Keras has no extension point for this in its TF backend, so ``install()`` replaces
+``make_train_function``, ``make_test_function`` and ``make_predict_function`` of
+``TensorFlowTrainer`` once; each checks whether the model's strategy is an ``IPUStrategy``
+and otherwise calls Keras's own. The model's ``train_step``/``test_step``/``predict_step``
+are reused, so user overrides keep working.
+
+A program is lowered per input signature (the last, smaller batch of an epoch is another
+signature, hence another program). With ``steps_per_execution=N`` every program loops over
+N stacked batches; a call with fewer batches left pads the stack and tells the loop how
+many steps to run, so it reuses the same program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
+
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
+
+
+def _is_ipu_model(model: Any) -> bool:
+    from tf_ipu.strategy import IPUStrategy
+
+    return isinstance(getattr(model, "_distribute_strategy", None), IPUStrategy)
+
+
+def install() -> None:
+    """Routes Keras's step functions to the IPU for models built under ``IPUStrategy``."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    if _ORIGINALS:
+        return
+    for kind in ("train", "test", "predict"):
+        attr = f"make_{kind}_function"
+        original = getattr(TensorFlowTrainer, attr)
+        _ORIGINALS[attr] = original
+
+        def make(self: Any, force: bool = False, _kind: str = kind, _orig: Any = original) -> Any:
+            if not _is_ipu_model(self):
+                return _orig(self, force=force)
+            name = f"{_kind}_function"
+            current = getattr(self, name, None)
+            if (
+                current is not None
+                and not force
+                and isinstance(current, IPUStepFunction)
+                and current.steps_per_execution == int(self.steps_per_execution)
+            ):
+                return current
+            fn = IPUStepFunction(self, _kind)
+            setattr(self, name, fn)
+            return fn
+
+        setattr(TensorFlowTrainer, attr, make)
+
+
+def _is_tf_iterator(obj: Any) -> bool:
+    return isinstance(obj, (tf.data.Iterator, tf.distribute.DistributedIterator))
+
+
+def _leaf_is_data(x: Any) -> bool:
+    return x is not None and not isinstance(x, tf.experimental.Optional)
+
+
+class IPUStepFunction:
+    """What Keras calls as ``model.train_function`` (or test/predict) under IPUStrategy."""
+
+    def __init__(self, model: Any, kind: str) -> None:
+        self.model = model
+        self.kind = kind
+        self.steps_per_execution = max(1, int(model.steps_per_execution))
+        self._programs: dict[tuple, tuple[LoweredProgram, Any]] = {}
+        self._pull_fn: Any = None
+        self.device_calls = 0
+
+    # -- host side: the infeed ---------------------------------------------------------
+    def __call__(self, data: Any) -> Any:
+        if self.kind == "predict":
+            batches = [self._strip(b) for b in data]
+            return self._run_batches(batches)
+        if _is_tf_iterator(data):
+            batches = self._pull(data)
+        else:  # a Python iterable (train_on_batch/test_on_batch)
+            batches = []
+            for item in data:
+                batches.append(self._strip(item))
+                if len(batches) == self.steps_per_execution:
+                    break
+        if not batches:
+            raise StopIteration
+        return self._run_batches(batches)
+
+    @staticmethod
+    def _strip(batch: Any) -> Any:
+        """Data structure with Optionals made None and arrays made tensors (as Keras does)."""
+        return tf.nest.map_structure(
+            lambda x: None if not _leaf_is_data(x) else tf.convert_to_tensor(x), batch
+        )
+
+    def _pull(self, iterator: Any) -> list[Any]:
+        """Pulls up to N batches from a tf iterator in one traced call."""
+        if self._pull_fn is None:
+            self._pull_fn = self._make_pull(iterator)
+        count, sizes, flat = self._pull_fn(iterator)
+        count = int(count)
+        if count == 0:
+            return []
+        spec = iterator.element_spec
+        leaves = tf.nest.flatten(spec)
+        keep = [i for i, s in enumerate(leaves) if isinstance(s, tf.TensorSpec)]
+        sizes = sizes.numpy()
+        pieces = [tf.split(t, sizes) if count > 1 else [t] for t in flat]
+        batches = []
+        for b in range(count):
+            values: list[Any] = [None] * len(leaves)
+            for j, i in enumerate(keep):
+                values[i] = pieces[j][b]
+            batches.append(tf.nest.pack_sequence_as(spec, values))
+        return batches
+
+    def _make_pull(self, iterator: Any) -> Any:
+        n = self.steps_per_execution
+        spec = iterator.element_spec
+        leaves = tf.nest.flatten(spec)
+        keep = [i for i, s in enumerate(leaves) if isinstance(s, tf.TensorSpec)]
+        for i in keep:
+            if leaves[i].shape.rank == 0:
+                raise ValueError(
+                    "IPU input pipelines need a batch dimension on every input; "
+                    f"received an element with spec {leaves[i]}."
+                )
+
+        @tf.function
+        def pull(it: Any) -> Any:
+            tas = [
+                tf.TensorArray(
+                    leaves[i].dtype, size=0, dynamic_size=True, infer_shape=False,
+                    element_shape=leaves[i].shape,
+                )
+                for i in keep
+            ]
+            sizes = tf.TensorArray(tf.int32, size=0, dynamic_size=True)
+            first = it.get_next_as_optional()
+
+            def cond(i: Any, opt: Any, sizes: Any, *tas: Any) -> Any:
+                return tf.logical_and(tf.less(i, n), opt.has_value())
+
+            def body(i: Any, opt: Any, sizes: Any, *tas: Any) -> Any:
+                values = tf.nest.flatten(opt.get_value())
+                tas = [ta.write(i, values[k]) for ta, k in zip(tas, keep, strict=True)]
+                sizes = sizes.write(i, tf.shape(values[keep[0]])[0])
+                nxt = tf.cond(
+                    tf.less(i + 1, n), lambda: it.get_next_as_optional(), lambda: opt
+                )
+                return (i + 1, nxt, sizes, *tas)
+
+            out = tf.while_loop(cond, body, (tf.constant(0), first, sizes, *tas))
+            count, _, sizes, *tas = out
+            return count, sizes.stack(), [ta.concat() for ta in tas]
+
+        return pull
+
+    # -- grouping and stacking -----------------------------------------------------------
+    def _run_batches(self, batches: list[Any]) -> Any:
+        groups: list[list[Any]] = []
+        last_sig = None
+        for b in batches:
+            sig = tuple(
+                None if x is None else (x.dtype, tuple(x.shape)) for x in tf.nest.flatten(b)
+            )
+            if groups and sig == last_sig:
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+                last_sig = sig
+        outputs = [self._run_group(g) for g in groups]
+        if self.kind != "predict":
+            return outputs[-1]
+        result = outputs[0]
+        for more in outputs[1:]:
+            result = tf.nest.map_structure(lambda a, b: tf.concat([a, b], 0), result, more)
+        return result
+
+    def _run_group(self, group: list[Any]) -> Any:
+        n = self.steps_per_execution
+        k = len(group)
+        structure = group[0]
+        flat0 = tf.nest.flatten(structure)
+        present = [i for i, x in enumerate(flat0) if x is not None]
+        stacked = []
+        for i in present:
+            parts = [tf.nest.flatten(b)[i] for b in group]
+            t = tf.stack(parts) if k > 1 else tf.expand_dims(parts[0], 0)
+            if k < n:
+                pad = [[0, n - k]] + [[0, 0]] * (t.shape.rank - 1)
+                t = tf.pad(t, pad)
+            stacked.append(t)
+        key = (
+            tf.nest.map_structure(lambda x: x is None, structure, expand_composites=False)
+            .__repr__(),
+            tuple((t.dtype, tuple(t.shape)) for t in stacked),
+        )
+        entry = self._programs.get(key)
+        if entry is None:
+            entry = self._lower(structure, present, stacked)
+            self._programs[key] = entry
+        lowered, runner = entry
+        result = runner(tf.constant(k, tf.int32), *stacked)
+        self.device_calls += 1
+        if self.kind == "predict":
+            # [N, batch, ...] per output: keep the k real steps, merge steps into the batch.
+            def unstack(t: tf.Tensor) -> tf.Tensor:
+                t = t[:k]
+                return tf.reshape(t, [-1, *t.shape[2:]])
+
+            return tf.nest.map_structure(unstack, result)
+        return result
+
+    # -- the device program ----------------------------------------------------------------
+    def _lower(self, structure: Any, present: list[int], stacked: list[tf.Tensor]) -> Any:
+        from tf_ipu import runtime
+
+        model = self.model
+        strategy = model.distribute_strategy
+        n = self.steps_per_execution
+        kind = self.kind
+        step_fn = {
+            "train": model.train_step,
+            "test": model.test_step,
+            "predict": model.predict_step,
+        }[kind]
+        n_leaves = len(tf.nest.flatten(structure))
+
+        def batch_at(flat_stacked: tuple, i: Any) -> Any:
+            values: list[Any] = [None] * n_leaves
+            for j, idx in enumerate(present):
+                values[idx] = flat_stacked[j][i]
+            return tf.nest.pack_sequence_as(structure, values)
+
+        def one_step(flat_stacked: tuple, i: Any) -> Any:
+            batch = batch_at(flat_stacked, i)
+            return strategy.extended.call_for_each_replica(step_fn, args=(batch,))
+
+        def device_loop(n_steps: tf.Tensor, *flat_stacked: tf.Tensor) -> Any:
+            with strategy.lowering():
+                out0 = one_step(flat_stacked, 0)
+                if kind == "predict":
+                    flat0 = tf.nest.flatten(out0)
+                    tas = [
+                        tf.TensorArray(t.dtype, size=n, element_shape=t.shape).write(0, t)
+                        for t in flat0
+                    ]
+
+                    def body(i: Any, *tas: Any) -> Any:
+                        outs = tf.nest.flatten(one_step(flat_stacked, i))
+                        return (i + 1, *[ta.write(i, o) for ta, o in zip(tas, outs, strict=True)])
+
+                    _, *tas = tf.while_loop(
+                        lambda i, *_: tf.less(i, n_steps), body, (tf.constant(1), *tas)
+                    )
+                    return tf.nest.pack_sequence_as(out0, [ta.stack() for ta in tas])
+
+                flat_logs = tf.nest.flatten(out0)
+
+                def body(i: Any, *logs: Any) -> Any:
+                    return (i + 1, *tf.nest.flatten(one_step(flat_stacked, i)))
+
+                _, *final = tf.while_loop(
+                    lambda i, *_: tf.less(i, n_steps), body, (tf.constant(1), *flat_logs)
+                )
+                return tf.nest.pack_sequence_as(out0, final)
+
+        specs = [tf.TensorSpec([], tf.int32)] + [
+            tf.TensorSpec(t.shape, t.dtype) for t in stacked
+        ]
+        model_name = getattr(model, "name", "model")
+        name = f"{model_name}/{kind}_function[steps={n}]"
+        lowered = lower_function(device_loop, specs, name)
+        # Compile now, so that errors (unsupported op, out of memory) name the model's
+        # layers here, and the estimate is reported before the first step.
+        runtime.get_runtime().compile(lowered.program, lowered.signature)
+
+        @tf.function(autograph=False)
+        def runner(n_steps: tf.Tensor, *flat_stacked: tf.Tensor) -> Any:
+            return call_lowered(lowered, [n_steps, *flat_stacked])
+
+        return lowered, runner
+

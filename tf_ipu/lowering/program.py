@@ -1,0 +1,215 @@
+"""Lowering a TensorFlow function to a device program (IR module + calling signature).
+
+    Python fn (a Keras step, a device loop, a user's function under strategy.run)
+      -> tf.function(jit_compile=True) traced for concrete input specs
+      -> HLO (unoptimized, "hlo_serialized")  -> IR module (hlo_to_ir)
+      -> LoweredProgram: the IR bytes + a JSON signature that says, for every entry
+         parameter, whether it is an argument, a variable (device-resident) or a captured
+         constant, and which outputs carry new values of which variables.
+
+Lowering needs static shapes, so it happens once per concrete input signature; callers
+cache the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import tensorflow as tf
+
+from device_server.protocol import dtypes as wire_dtypes
+from device_server.protocol import ir_pb2
+from tf_ipu.lowering.hlo_to_ir import hlo_module_to_ir
+
+_KEY_ATTR = "_tf_ipu_key"
+
+
+def variable_key(var: tf.Variable) -> str:
+    """A process-independent key naming ``var`` on the device (stable for the object's life)."""
+    key = getattr(var, _KEY_ATTR, None)
+    if key is None:
+        name = var.name.split(":")[0]
+        key = f"{name}#{uuid.uuid4().hex[:12]}"
+        try:
+            setattr(var, _KEY_ATTR, key)
+        except AttributeError:  # objects that refuse attributes get a fresh key each lowering
+            pass
+    return key
+
+
+@dataclass
+class LoweredProgram:
+    """A function lowered for one input signature, ready to be called on the device."""
+
+    name: str
+    program: bytes                      # serialized ir_pb2.Module
+    signature: str                      # JSON, see module docstring
+    arg_specs: list[tf.TensorSpec]
+    variables: list[tf.Variable]        # in parameter order, after the arguments
+    constants: list[tf.Tensor]          # captured non-variable tensors, after the variables
+    output_dtypes: list[tf.DType]       # the flattened entry result
+    output_shapes: list[tf.TensorShape]
+    num_results: int                    # leading outputs that are the function's results
+    result_structure: Any               # nest structure of the function's results
+    updates: list[tuple[int, tf.Variable]] = field(default_factory=list)  # (output, variable)
+    module: ir_pb2.Module | None = None
+    captured_kinds: list[str] = field(default_factory=list)  # "var"/"const", capture order
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.program).hexdigest()[:16]
+
+
+def _flatten_results(out: Any) -> list[tf.Tensor]:
+    flat = tf.nest.flatten(out)
+    for t in flat:
+        if t is None:
+            raise ValueError("A device function may not return None in its results.")
+    return flat
+
+
+def lower_function(
+    fn: Callable[..., Any], arg_specs: Sequence[tf.TensorSpec], name: str
+) -> LoweredProgram:
+    """Traces ``fn`` for ``arg_specs`` and lowers it to a device program.
+
+    Args:
+        fn: takes one tensor per spec; returns a nest of tensors. It may read and assign
+            variables; they become device-resident parameters.
+        arg_specs: fully defined TensorSpecs.
+        name: a name for messages and reports (e.g. "train_function").
+
+    Returns:
+        The ``LoweredProgram``.
+    """
+    for i, s in enumerate(arg_specs):
+        if not s.shape.is_fully_defined():
+            raise ValueError(
+                f"{name}: argument {i} has shape {s.shape}; the IPU needs static shapes."
+            )
+    holder: dict[str, Any] = {}
+
+    def flat_fn(*args: tf.Tensor) -> list[tf.Tensor]:
+        out = fn(*args)
+        holder["structure"] = out
+        return _flatten_results(out)
+
+    jf = tf.function(flat_fn, jit_compile=True)
+    # This also works while an outer function is being traced (a serving function that
+    # calls strategy.run): the program is then embedded in the outer graph. (No init_scope:
+    # it would pause gradient tapes, and train steps need them.)
+    concrete = jf.get_concrete_function(*arg_specs)
+    hlo = jf.experimental_get_compiler_ir(*arg_specs)(stage="hlo_serialized")
+    module = hlo_module_to_ir(hlo)
+    module.name = name
+
+    by_handle = {id(v.handle): v for v in concrete.variables}
+    params: list[dict[str, Any]] = [{"kind": "arg", "index": i} for i in range(len(arg_specs))]
+    ordered_vars: list[tf.Variable] = []
+    ordered_consts: list[tf.Tensor] = []
+    for captured in concrete.captured_inputs:
+        var = by_handle.get(id(captured))
+        if var is not None:
+            ordered_vars.append(var)
+            params.append({"kind": "var", "key": variable_key(var), "name": var.name})
+        elif captured.dtype == tf.resource:
+            raise ValueError(
+                f"{name}: the function captures a resource that is not a variable "
+                f"({captured!r}); only variables can live on the IPU."
+            )
+        else:
+            ordered_consts.append(captured)
+            params.append({"kind": "const"})
+
+    entry = next(c for c in module.computations if c.id == module.entry_computation_id)
+    n_params = sum(1 for i in entry.instructions if i.opcode == "parameter")
+    if n_params != len(params):
+        raise RuntimeError(
+            f"{name}: the lowered program has {n_params} parameters but the function has "
+            f"{len(arg_specs)} arguments and {len(concrete.captured_inputs)} captured inputs."
+        )
+    root = next(i for i in entry.instructions if i.id == entry.root_id)
+    out_shapes = _flat_shapes(root.shape)
+    flat_results = _flatten_results(holder["structure"])
+    num_results = len(flat_results)
+
+    var_param = {
+        idx: var
+        for idx, var in zip(
+            [i for i, p in enumerate(params) if p["kind"] == "var"], ordered_vars, strict=True
+        )
+    }
+    updates: list[tuple[int, tf.Variable]] = []
+    for alias in module.aliases:
+        var = var_param.get(alias.parameter_number)
+        if var is None:
+            raise RuntimeError(
+                f"{name}: output {alias.output_index} aliases parameter "
+                f"{alias.parameter_number}, which is not a variable."
+            )
+        updates.append((alias.output_index, var))
+
+    signature = json.dumps({"version": 1, "name": name, "params": params,
+                            "num_results": num_results})
+    return LoweredProgram(
+        name=name,
+        program=module.SerializeToString(deterministic=True),
+        signature=signature,
+        arg_specs=list(arg_specs),
+        variables=ordered_vars,
+        constants=ordered_consts,
+        output_dtypes=[tf.as_dtype(wire_dtypes.to_numpy(d)) for d, _ in out_shapes],
+        output_shapes=[tf.TensorShape(s) for _, s in out_shapes],
+        num_results=num_results,
+        result_structure=holder["structure"],
+        updates=updates,
+        module=module,
+        captured_kinds=[p["kind"] for p in params[len(arg_specs):]],
+    )
+
+
+def _flat_shapes(shape: ir_pb2.Shape) -> list[tuple[int, tuple[int, ...]]]:
+    if shape.is_tuple:
+        out: list[tuple[int, tuple[int, ...]]] = []
+        for s in shape.tuple_shapes:
+            out.extend(_flat_shapes(s))
+        return out
+    return [(shape.dtype, tuple(int(d) for d in shape.dims))]
+
+
+def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
+    """Emits the device call for ``lowered`` (in a graph being traced, or eagerly).
+
+    Reads the variables, runs the program on the device through the IpuExecute op, writes
+    the new values of updated variables back to the host variables (so every host read sees
+    the result of the last device call), and returns the function's results.
+    """
+    import tf_ipu_ops
+
+    from tf_ipu import runtime
+
+    runtime.get_runtime().ensure_handler()
+    inputs: list[tf.Tensor] = list(args)
+    vars_iter = iter(lowered.variables)
+    consts_iter = iter(lowered.constants)
+    for kind in lowered.captured_kinds:
+        if kind == "var":
+            inputs.append(next(vars_iter).read_value())
+        else:
+            inputs.append(next(consts_iter))
+    outs = tf_ipu_ops.ipu_execute(
+        inputs,
+        Tout=lowered.output_dtypes,
+        output_shapes=lowered.output_shapes,
+        program=lowered.program,
+        signature=lowered.signature,
+    )
+    for index, var in lowered.updates:
+        var.assign(outs[index])
+    results = outs[: lowered.num_results]
+    return tf.nest.pack_sequence_as(lowered.result_structure, results)

@@ -1,0 +1,346 @@
+"""The process's device runtime: the link between IpuExecute kernels and the device server.
+
+    Keras traced function -> IpuExecute kernel (C++) -> ctypes -> DeviceRuntime.execute
+        -> tf_ipu.client.DeviceClient ==gRPC==> device server (emulated IPUs)
+
+One runtime per process. It owns the connection (and the local server it may have
+started), the session and its attached IPUs, the programs registered by kernels (compiled
+lazily per session, cached by content), and the host's record of what each device-resident
+variable holds, so that:
+
+- a variable is uploaded only when the host's value differs from what the device holds
+  (first use, ``set_weights``, ``assign``, a learning-rate change, a reconnect);
+- every device call returns the new values of the variables it updated, which the traced
+  function assigns to the host variables, so host reads always see the last device call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from device_server.protocol import ir_pb2
+from tf_ipu import errors
+from tf_ipu.client import DeviceClient, VariableRef
+
+_log = logging.getLogger("tf_ipu")
+_libc = ctypes.CDLL(None)
+_libc.memcmp.restype = ctypes.c_int
+_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.nbytes == 0:
+        return True
+    a = np.ascontiguousarray(a)
+    b = np.ascontiguousarray(b)
+    return _libc.memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
+
+
+@dataclass
+class ProgramEntry:
+    """A program registered by a kernel (or by lowering), by content."""
+
+    digest: str
+    program: bytes
+    name: str
+    params: list[dict[str, Any]]
+    executable_id: str | None = None     # valid in the current session only
+    aliases: dict[int, int] = field(default_factory=dict)
+    estimate: Any = None
+    cache_hit: bool = False
+
+
+@dataclass
+class CompileReport:
+    """What one compile reported: the program and the emulator's estimate."""
+
+    name: str
+    digest: str
+    ipu_version: str
+    tiles_per_ipu: int
+    cycles: int
+    seconds: float
+    peak_tile_bytes: int
+    tile_bytes_limit: int
+    total_bytes: int
+    fits: bool
+    cache_hit: bool
+    compile_seconds: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (
+            f"{self.name} [{self.digest}] on {self.ipu_version} ({self.tiles_per_ipu} tiles): "
+            f"est. {self.cycles:,} cycles = {self.seconds * 1e3:.3f} ms per device call; "
+            f"peak tile memory {self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
+            f"{'' if self.fits else ' (DOES NOT FIT)'}; total {self.total_bytes:,} B"
+        )
+
+
+class DeviceRuntime:
+    """Process-wide connection to the device server (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._client: DeviceClient | None = None
+        self._local_server: Any = None
+        self._config_key: tuple | None = None
+        self._config: Any = None
+        self._programs: list[ProgramEntry] = []
+        self._by_digest: dict[str, int] = {}
+        self._synced: dict[str, np.ndarray] = {}
+        self._handler_installed = False
+        self.reports: list[CompileReport] = []
+        self.device_calls = 0
+
+    # -- configuration -------------------------------------------------------------------
+    @property
+    def configured(self) -> bool:
+        return self._client is not None
+
+    @property
+    def client(self) -> DeviceClient:
+        if self._client is None:
+            raise errors.DeviceError(
+                "FAILED_PRECONDITION",
+                "The IPU system is not configured: call IPUConfig().configure_ipu_system().",
+            )
+        return self._client
+
+    @property
+    def config(self) -> Any:
+        return self._config
+
+    def configure(self, cfg: Any) -> None:
+        """Connects, opens a session and attaches IPUs as ``cfg`` says (reusing what it can)."""
+        from tf_ipu.config import default_tiles
+
+        with self._lock:
+            address = cfg.resolved_server_address
+            key = (
+                address,
+                cfg.auto_select_ipus,
+                cfg.ipu_version,
+                cfg.ipu_model.tiles_per_ipu,
+                tuple(cfg.debug.refuse_opcodes),
+                cfg.debug.fault_inject_opcode,
+                cfg.debug.allow_out_of_memory,
+            )
+            if self._client is not None and key == self._config_key and self._client.healthy():
+                self._config = cfg
+                return
+            if address is None:
+                address = self._ensure_local_server()
+            if self._client is not None and self._client.address == address:
+                self._disconnect()  # release this server's IPUs before attaching again
+            client = DeviceClient(address, timeout=cfg.connect_timeout)
+            try:
+                client.wait_for_server(cfg.connect_timeout)
+                client.open_session()
+                client.attach(
+                    cfg.auto_select_ipus,
+                    cfg.ipu_version,
+                    cfg.ipu_model.tiles_per_ipu or default_tiles(cfg.ipu_version),
+                )
+            except BaseException:
+                client.close()
+                raise
+            self._disconnect()  # a previous connection to another server, if any
+            self._client = client
+            self._config = cfg
+            self._config_key = key
+            self._synced.clear()
+            for entry in self._programs:
+                entry.executable_id = None
+            self.ensure_handler()
+
+    def ensure_configured(self) -> None:
+        """Configures with defaults (``$TF_IPU_SERVER`` or a local server) if not yet done."""
+        if self._client is None:
+            from tf_ipu.config import IPUConfig
+
+            self.configure(IPUConfig())
+
+    def _ensure_local_server(self) -> str:
+        from tf_ipu.local_server import start_local_server
+
+        if self._local_server is not None and self._local_server.alive():
+            return self._local_server.address
+        self._local_server = start_local_server(num_ipus=16, ipu_version="ipu2")
+        return self._local_server.address
+
+    def _disconnect(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # the server may be gone; nothing to release then
+                pass
+            self._client = None
+            self._config_key = None
+
+    def shutdown(self) -> None:
+        """Closes the session and stops a local server this process started."""
+        with self._lock:
+            self._disconnect()
+            if self._local_server is not None:
+                self._local_server.stop()
+                self._local_server = None
+
+    # -- programs ------------------------------------------------------------------------
+    def ensure_handler(self) -> None:
+        """Registers this runtime as the handler of IpuExecute kernels (once)."""
+        if self._handler_installed:
+            return
+        import tf_ipu_ops
+
+        tf_ipu_ops.set_device_handler(_Handler(self))
+        self._handler_installed = True
+
+    def register_program(self, program: bytes, signature: str) -> int:
+        """Registers a program by content; returns its id (the same for the same bytes)."""
+        digest = hashlib.sha256(program).hexdigest()
+        with self._lock:
+            if digest in self._by_digest:
+                return self._by_digest[digest]
+            sig = json.loads(signature)
+            entry = ProgramEntry(
+                digest=digest,
+                program=program,
+                name=str(sig.get("name", "program")),
+                params=list(sig["params"]),
+            )
+            self._programs.append(entry)
+            pid = len(self._programs) - 1
+            self._by_digest[digest] = pid
+            return pid
+
+    def compile(self, program: bytes, signature: str) -> CompileReport:
+        """Registers and compiles a program now (errors surface here, at lowering time)."""
+        pid = self.register_program(program, signature)
+        with self._lock:
+            self.ensure_configured()
+            entry = self._programs[pid]
+            self._compile_entry(entry)
+            return self._report_of(entry)
+
+    def _compile_entry(self, entry: ProgramEntry) -> None:
+        if entry.executable_id is not None:
+            return
+        cfg = self._config
+        module = ir_pb2.Module.FromString(entry.program)
+        compiled = self.client.compile(
+            module,
+            refuse_opcodes=tuple(cfg.debug.refuse_opcodes) if cfg else (),
+            fault_inject_opcode=cfg.debug.fault_inject_opcode if cfg else "",
+            allow_out_of_memory=cfg.debug.allow_out_of_memory if cfg else False,
+        )
+        entry.executable_id = compiled.executable_id
+        entry.aliases = dict(compiled.aliases)
+        entry.estimate = compiled.estimate
+        entry.cache_hit = compiled.cache_hit
+        report = self._report_of(entry, compiled.compile_seconds)
+        self.reports.append(report)
+        _log.info("tf_ipu: compiled %s", report.summary())
+
+    def _report_of(self, entry: ProgramEntry, compile_seconds: float = 0.0) -> CompileReport:
+        est = entry.estimate
+        details: dict[str, Any] = {}
+        if getattr(est, "json", ""):
+            try:
+                details = json.loads(est.json)
+            except ValueError:
+                details = {}
+        return CompileReport(
+            name=entry.name,
+            digest=entry.digest[:12],
+            ipu_version=est.ipu_version,
+            tiles_per_ipu=est.tiles_per_ipu,
+            cycles=int(est.cycles),
+            seconds=float(est.seconds),
+            peak_tile_bytes=int(est.peak_tile_bytes),
+            tile_bytes_limit=int(est.tile_bytes_limit),
+            total_bytes=int(est.total_bytes),
+            fits=bool(est.fits),
+            cache_hit=entry.cache_hit,
+            compile_seconds=compile_seconds,
+            details=details,
+        )
+
+    def execute(self, pid: int, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+        """Runs program ``pid``: uploads changed variables, executes, fills ``outputs``."""
+        with self._lock:
+            self.ensure_configured()
+            entry = self._programs[pid]
+            self._compile_entry(entry)
+            if len(inputs) != len(entry.params):
+                raise errors.InvalidArgumentError(
+                    f"{entry.name}: the kernel passed {len(inputs)} inputs, the program "
+                    f"has {len(entry.params)} parameters."
+                )
+            bindings: list[Any] = []
+            writes: dict[str, np.ndarray] = {}
+            for value, param in zip(inputs, entry.params, strict=True):
+                if param["kind"] == "var":
+                    key = param["key"]
+                    held = self._synced.get(key)
+                    if held is None or not _same_bytes(held, value):
+                        copy = np.array(value, copy=True)
+                        writes[key] = copy
+                        self._synced[key] = copy
+                    bindings.append(VariableRef(key))
+                else:
+                    bindings.append(value)
+            if writes:
+                self.client.write_variables(writes)
+            results = self.client.execute(
+                entry.executable_id, bindings, return_updated_variables=True
+            )
+            self.device_calls += 1
+            if len(results) != len(outputs):
+                raise errors.DeviceError(
+                    "INTERNAL",
+                    f"{entry.name}: the device returned {len(results)} outputs, "
+                    f"the kernel expects {len(outputs)}.",
+                )
+            for out, res in zip(outputs, results, strict=True):
+                out[...] = res
+            for out_index, param_index in entry.aliases.items():
+                param = entry.params[param_index]
+                if param["kind"] == "var":
+                    self._synced[param["key"]] = results[out_index]
+
+
+class _Handler:
+    """Adapter from the op library's DeviceHandler protocol to the runtime."""
+
+    def __init__(self, runtime: DeviceRuntime) -> None:
+        self._runtime = runtime
+
+    def register_program(self, program: bytes, signature: str) -> int:
+        return self._runtime.register_program(program, signature)
+
+    def execute(self, program_id: int, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
+        self._runtime.execute(program_id, inputs, outputs)
+
+
+_RUNTIME: DeviceRuntime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def get_runtime() -> DeviceRuntime:
+    """The process's device runtime (created on first use)."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = DeviceRuntime()
+        return _RUNTIME

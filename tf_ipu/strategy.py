@@ -1,0 +1,128 @@
+"""IPUStrategy: a tf.distribute strategy whose replica runs on the emulated IPU.
+
+    with strategy.scope():  model = ...; model.compile(...); model.fit(...)
+        Keras's step functions -> tf_ipu.keras_integration (N steps per device call)
+    strategy.run(fn, args)  inside a tf.function (e.g. a serving function to save)
+        -> fn lowered for the concrete args -> one IpuExecute op in the traced graph
+
+Variables created in the scope live on the host (the CPU) as ordinary TF variables and are
+mirrored on the device: device calls update the host copies as they finish, and host writes
+reach the device before the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+
+from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
+
+_state = threading.local()
+
+
+def _lowering_depth() -> int:
+    return getattr(_state, "depth", 0)
+
+
+class IPUStrategy(tf.distribute.OneDeviceStrategy):
+    """Runs Keras models and ``strategy.run`` functions on the emulated IPU.
+
+    Args:
+        config: optional ``IPUConfig``; if given and the system is not configured yet, it
+            is configured on first use. Usually you call ``cfg.configure_ipu_system()``
+            before creating the strategy, as with Graphcore's API.
+
+    Example:
+        >>> cfg = tf_ipu.IPUConfig(); cfg.configure_ipu_system()
+        >>> strategy = tf_ipu.IPUStrategy()
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        ...     model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    """
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__("/device:CPU:0")
+        self._ipu_config = config
+        self._run_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        from tf_ipu import keras_integration
+
+        keras_integration.install()
+
+    def __repr__(self) -> str:
+        return "IPUStrategy()"
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    @property
+    def reports(self) -> list[Any]:
+        """The emulator's report of every program compiled in this process so far."""
+        from tf_ipu import runtime
+
+        return list(runtime.get_runtime().reports)
+
+    @contextlib.contextmanager
+    def lowering(self) -> Iterator[None]:
+        """Marks code being traced into a device program (``run`` then runs inline)."""
+        _state.depth = _lowering_depth() + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        options: Any = None,
+    ) -> Any:
+        """Runs ``fn(*args, **kwargs)`` on the IPU as one device call.
+
+        Inside a device program being lowered, runs ``fn`` inline in the replica context.
+        Otherwise ``fn`` is lowered for the concrete shapes of ``args`` (cached) and called
+        through the IpuExecute op, eagerly or in the graph being traced (so a saved
+        ``tf.function`` carries the lowered program).
+        """
+        kwargs = kwargs or {}
+        if _lowering_depth() > 0:
+            return self.extended.call_for_each_replica(fn, args=args, kwargs=kwargs)
+        self._ensure_configured()
+        flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten((args, kwargs))]
+        specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in flat)
+        structure = (args, kwargs)
+        try:
+            per_fn = self._run_cache.setdefault(fn, {})
+        except TypeError:  # not weak-referenceable: no cache
+            per_fn = {}
+        lowered: LoweredProgram | None = per_fn.get(specs)
+        if lowered is None:
+
+            def flat_fn(*tensors: tf.Tensor) -> Any:
+                a, kw = tf.nest.pack_sequence_as(structure, list(tensors))
+                with self.lowering():
+                    return self.extended.call_for_each_replica(fn, args=a, kwargs=kw)
+
+            name = getattr(fn, "__name__", None) or type(fn).__name__
+            lowered = lower_function(flat_fn, list(specs), f"run:{name}")
+            from tf_ipu import runtime
+
+            runtime.get_runtime().compile(lowered.program, lowered.signature)
+            per_fn[specs] = lowered
+        return call_lowered(lowered, flat)
+
+    def _ensure_configured(self) -> None:
+        from tf_ipu import runtime
+
+        rt = runtime.get_runtime()
+        if not rt.configured:
+            if self._ipu_config is not None:
+                self._ipu_config.configure_ipu_system()
+            else:
+                rt.ensure_configured()
