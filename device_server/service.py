@@ -395,7 +395,7 @@ class DeviceService:
                         f"ReadVariables: session {s.session_id} has no variable {key!r} "
                         f"({len(s.variables)} variables resident).",
                     )
-                reply.variables.append(device_pb2.NamedTensor(key=key, tensor=dtypes.to_tensor(value)))
+                _fill_tensor(reply.variables.add(key=key).tensor, value)
             return reply
 
     # -- execution ----------------------------------------------------------------------
@@ -489,13 +489,8 @@ class DeviceService:
 
             reply = device_pb2.ExecuteReply(device_seconds=seconds)
             for i, out in enumerate(outputs):
-                if i in updates and not request.return_updated_variables:
-                    arr = np.asarray(out)
-                    reply.outputs.append(
-                        device_pb2.Tensor(dtype=dtypes.from_numpy(arr.dtype), dims=arr.shape)
-                    )
-                else:
-                    reply.outputs.append(dtypes.to_tensor(out))
+                _fill_tensor(reply.outputs.add(), out,
+                             with_data=request.return_updated_variables or i not in updates)
             return reply
 
     # -- counters -----------------------------------------------------------------------
@@ -561,6 +556,18 @@ def _describe_target(target: Any, fallback_name: str) -> tuple[str, int]:
 
 def _tensor_spec(dtype: np.dtype, shape: tuple[int, ...]) -> device_pb2.TensorSpec:
     return device_pb2.TensorSpec(dtype=dtypes.from_numpy(dtype), dims=list(shape))
+
+
+def _fill_tensor(tensor: device_pb2.Tensor, value: np.ndarray, with_data: bool = True) -> None:
+    """Packs an array into a Tensor that is already part of the reply (building a Tensor
+    and appending it would copy the data once more: ~13 ms per 4 MiB)."""
+    a = np.asarray(value, order="C")
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    tensor.dtype = dtypes.from_numpy(a.dtype)
+    tensor.dims.extend(a.shape)
+    if with_data:
+        tensor.data = a.tobytes()
 
 
 def _decode(tensor: device_pb2.Tensor, what: str) -> np.ndarray:

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from device_server.protocol import device_pb2, device_pb2_grpc, dtypes, ir_pb2
 from tf_ipu import errors
@@ -61,6 +62,16 @@ def fma_module(name: str = "fma", shape: tuple[int, ...] = SHAPE, const: np.ndar
     )
 
 
+def mul_module() -> ir_pb2.Module:
+    """``p0 * p1`` on f32[2, 3], nothing else."""
+    shape = ir_pb2.Shape(dtype=ir_pb2.F32, dims=SHAPE)
+    comp = ir_pb2.Computation(id=0, name="main", root_id=2)
+    comp.instructions.add(id=0, name="x", opcode="parameter", shape=shape, parameter_number=0)
+    comp.instructions.add(id=1, name="y", opcode="parameter", shape=shape, parameter_number=1)
+    comp.instructions.add(id=2, name="xy", opcode="multiply", shape=shape, operands=[0, 1])
+    return ir_pb2.Module(name="mul", computations=[comp], entry_computation_id=0)
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:8]}"
 
@@ -90,12 +101,18 @@ def free_ipus(address: str) -> int:
 # -- the happy path ----------------------------------------------------------------------
 
 
-def test_health_is_serving(device_server):
+def test_health_is_serving_and_reflection_lists_the_service(device_server):
     with grpc.insecure_channel(device_server) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "tf_ipu.device.DeviceService"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [reply] = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"tf_ipu.device.DeviceService", "grpc.health.v1.Health"} <= names
 
 
 def test_compile_and_execute_match_numpy(client):
@@ -323,7 +340,7 @@ def test_expired_lease_frees_ipus_and_heartbeat_keeps_it(device_server, stub):
                                timeout=5).session_id
     stub.AttachIpus(device_pb2.AttachIpusRequest(session_id=session, num_ipus=2), timeout=5)
     with DeviceClient(device_server) as alive:
-        alive.open_session(lease_seconds=0.5)  # its heartbeat renews it every ~0.17 s
+        alive.open_session(lease_seconds=1.0)  # its heartbeat renews it every ~0.33 s
         alive.attach(1)
         assert free_ipus(device_server) == before - 3
         deadline = time.monotonic() + 5
@@ -372,14 +389,14 @@ def test_unreachable_server_is_unavailable_quickly():
 
 
 def test_server_flags_and_parent_pid(tmp_path):
-    """Server-side --refuse-opcode applies to every compile; the server exits once its
-    --parent-pid is gone."""
+    """Server-side --refuse-opcode and --fault-inject apply to every compile; the server
+    exits once its --parent-pid is gone."""
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     port_file = tmp_path / "port"
     server = subprocess.Popen(
         [sys.executable, "-m", "device_server", "--port", "0", "--port-file", str(port_file),
          "--parent-pid", str(parent.pid), "--ipus", "1", "--refuse-opcode", "add",
-         "--log-level", "warning"],
+         "--fault-inject", "multiply", "--log-level", "warning"],
         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
@@ -392,6 +409,8 @@ def test_server_flags_and_parent_pid(tmp_path):
             c.attach(1)
             with pytest.raises(errors.UnsupportedOpError, match="add"):
                 c.compile(fma_module())
+            [xy] = c.execute(c.compile(mul_module()).executable_id, [X, W])
+            assert not np.allclose(xy, X * W)  # perturbed
         parent.kill()
         parent.wait()
         assert server.wait(timeout=5) == 0

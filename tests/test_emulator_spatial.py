@@ -121,6 +121,15 @@ class _Ctx:
         return _COMMUTATIVE_UFUNCS[root.opcode]
 
 
+def _pad(x: np.ndarray, value: np.ndarray, lo: Sequence[int], hi: Sequence[int], interior: Sequence[int]) -> np.ndarray:
+    """HLO pad (negative edge padding crops)."""
+    grown = [max(0, (s - 1) * (i + 1) + 1) + max(0, a) + max(0, b) for s, i, a, b in zip(x.shape, interior, lo, hi, strict=True)]
+    out = np.full(grown, value, x.dtype)
+    out[tuple(slice(max(0, a), max(0, a) + max(0, (s - 1) * (i + 1) + 1), i + 1)
+              for s, i, a in zip(x.shape, interior, lo, strict=True))] = x
+    return out[tuple(slice(max(0, -a), g - max(0, -b)) for g, a, b in zip(grown, lo, hi, strict=True))]
+
+
 class _Interp:
     """Evaluates an IR module: registry kernels for the spatial opcodes, numpy for glue."""
 
@@ -178,6 +187,11 @@ class _Interp:
             return np.negative(args[0])
         if op == "clamp":
             return np.clip(args[1], args[0], args[2]).astype(dtype)
+        if op == "call":
+            return self.run(instr.called_computations[0], args)
+        if op == "pad":
+            return _pad(np.asarray(args[0]), np.asarray(args[1]), ctx.attr("edge_padding_low"),
+                        ctx.attr("edge_padding_high"), ctx.attr("interior_padding"))
         raise NotImplementedError(f"test interpreter: opcode {op}")
 
     def run(self, comp_id: int, args: list[Any]) -> Any:

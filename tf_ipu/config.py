@@ -151,7 +151,7 @@ class IPUConfig(_Section):
                 "server_address": None,
                 "floating_point_behaviour": FloatingPointBehaviour(),
                 "debug": DebugOptions(),
-                "connect_timeout": 10.0,
+                "connect_timeout": 5.0,
             },
         )
         super().__init__()

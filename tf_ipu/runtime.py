@@ -28,6 +28,7 @@ import numpy as np
 
 from device_server.protocol import ir_pb2
 from tf_ipu import errors
+from tf_ipu.config import IPU_VERSIONS
 from tf_ipu.client import DeviceClient, VariableRef
 
 _log = logging.getLogger("tf_ipu")
@@ -263,7 +264,7 @@ class DeviceRuntime:
         return CompileReport(
             name=entry.name,
             digest=entry.digest[:12],
-            ipu_version=est.ipu_version,
+            ipu_version=IPU_VERSIONS.get(est.ipu_version, est.ipu_version),
             tiles_per_ipu=est.tiles_per_ipu,
             cycles=int(est.cycles),
             seconds=float(est.seconds),

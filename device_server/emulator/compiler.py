@@ -84,7 +84,7 @@ ELEMENTWISE_SAFE = frozenset(
         "parameter", "constant", "tuple", "get-tuple-element", "abs", "add", "subtract",
         "multiply", "divide", "remainder", "power", "maximum", "minimum", "negate",
         "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic", "sqrt",
-        "rsqrt", "cbrt", "tanh", "sin", "cos", "tan", "atan2", "floor", "ceil",
+        "rsqrt", "cbrt", "tanh", "sine", "cosine", "tan", "atan2", "floor", "ceil",
         "round-nearest-afz", "round-nearest-even", "sign", "is-finite", "not", "and", "or",
         "xor", "shift-left", "shift-right-logical", "shift-right-arithmetic", "popcnt", "clz",
         "erf", "select", "clamp", "compare", "convert", "copy", "real", "imag", "complex",

@@ -53,7 +53,7 @@ _VIEWS = frozenset(
 _TRANSCENDENTAL = frozenset(
     {
         "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic", "sqrt",
-        "rsqrt", "cbrt", "tanh", "sin", "cos", "tan", "atan2", "power", "erf", "divide",
+        "rsqrt", "cbrt", "tanh", "sine", "cosine", "tan", "atan2", "power", "erf", "divide",
         "remainder",
     }
 )

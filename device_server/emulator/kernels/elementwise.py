@@ -111,8 +111,8 @@ _FLOAT_UNARY: dict[str, Callable[[np.ndarray], Any]] = {
     "rsqrt": _rsqrt,
     "cbrt": np.cbrt,
     "tanh": np.tanh,
-    "sin": np.sin,
-    "cos": np.cos,
+    "sine": np.sin,
+    "cosine": np.cos,
     "tan": np.tan,
     "floor": np.floor,
     "ceil": np.ceil,
@@ -141,7 +141,7 @@ def _clz(x: np.ndarray, dt: np.dtype) -> np.ndarray:
 
 @register(
     "abs", "negate", "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic",
-    "sqrt", "rsqrt", "cbrt", "tanh", "sin", "cos", "tan", "floor", "ceil",
+    "sqrt", "rsqrt", "cbrt", "tanh", "sine", "cosine", "tan", "floor", "ceil",
     "round-nearest-afz", "round-nearest-even", "sign", "erf",
 )
 def _unary(ctx: KernelContext) -> KernelFn:
