@@ -261,12 +261,37 @@ class IRBuilder:
         return instr.id
 
     def op(self, opcode: str, operands: Sequence[int], dtype: Any, dims: Sequence[int],
-           source_op: str = "", **attrs: Any) -> int:
-        instr = self._add(opcode, operands, dtype, dims)
+           source_op: str = "", called: Sequence[int] = (), **attrs: Any) -> int:
+        """Adds an instruction; ``dtype=None`` makes a tuple of ``dims`` = instruction ids
+        whose shapes form the tuple (e.g. for ``tuple`` or a variadic ``reduce``)."""
+        if dtype is None:
+            instr = self._add(opcode, operands, np.float32, [])
+            instr.shape.Clear()
+            instr.shape.is_tuple = True
+            for i in dims:
+                instr.shape.tuple_shapes.add().CopyFrom(self.shape(i))
+        else:
+            instr = self._add(opcode, operands, dtype, dims)
         instr.source_op = source_op
+        instr.called_computations.extend(called)
         for k, v in attrs.items():
             set_attr(instr, k, v)
         return instr.id
+
+    def tuple(self, elements: Sequence[int]) -> int:
+        """A ``tuple`` of the given instructions."""
+        return self.op("tuple", elements, None, elements)
+
+    def shape(self, instr_id: int) -> ir_pb2.Shape:
+        return next(i.shape for i in self._comp.instructions if i.id == instr_id)
+
+    def computation(self, other: IRBuilder) -> int:
+        """Adds ``other``'s computation (with a root set) to this module; returns its id."""
+        comp = self._module.computations.add()
+        comp.CopyFrom(other._comp)
+        comp.id = len(self._module.computations)
+        comp.name = f"{other._comp.name}.{comp.id}"
+        return comp.id
 
     def root(self, instr_id: int) -> None:
         self._comp.root_id = instr_id

@@ -5,7 +5,7 @@ Each test lowers a small ``tf.function(jit_compile=True)`` to HLO, converts it w
 function. Tolerances: float32 ``rtol=1e-5`` unless a test states otherwise (transcendental
 functions get a small ``atol`` near zero crossings; XLA's CPU backend flushes subnormals, so
 subnormal inputs are excluded and results below 1e-30 in magnitude are not compared
-relatively); integers and booleans exactly. Opcodes no TF op produces (``clz``,
+relatively); integers and booleans exactly. Opcodes no TF op produces (``count-leading-zeros``,
 ``round-nearest-afz``, ``cbrt``, total-order ``compare``, ``map``, ``custom-call``) are
 tested on hand-built IR against numpy references.
 """
@@ -175,7 +175,9 @@ def test_maximum_minimum_propagate_nan() -> None:
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
 def test_other_float_types(dtype: type) -> None:
     def fn(x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        return x + y, x * y, x / y, tf.exp(x), tf.tanh(y), tf.maximum(x, y), tf.sqrt(tf.abs(x))
+        c = tf.constant([1.5, -2.25, 3.0, 0.1] * 8, dtype=x.dtype)  # a 16-bit literal
+        return (x + y, x * y, x / y, tf.exp(x), tf.tanh(y), tf.maximum(x, y), tf.sqrt(tf.abs(x)),
+                x * c, tf.reduce_sum(x * y), tf.cast(x, tf.float32))
 
     rng = np.random.default_rng(3)
     x = rng.uniform(-4, 4, 32).astype(dtype)
@@ -369,8 +371,18 @@ def test_empty_dimensions() -> None:
                 tf.concat([x, x], axis=0), tf.transpose(x), tf.reduce_prod(x, axis=0),
                 tf.reduce_sum(y))
 
-    d = eu.Differential(fn, np.zeros((0, 3), np.float32), np.zeros((3, 2), np.float32))
-    d.check(np.zeros((0, 3), np.float32), np.ones((3, 2), np.float32))
+    x, y = np.zeros((0, 3), np.float32), np.ones((3, 2), np.float32)
+    module, expected = eu.lower(fn, x, y)
+    # tf2xla turns zero-element arguments into constants: only y is an HLO parameter.
+    exe = compile_module(module, TARGET)
+    assert exe.parameters == [(np.dtype(np.float32), (3, 2))]
+    eu.assert_same(exe.run([y]), expected)
+    b = eu.IRBuilder("empty")
+    p = b.parameter(np.float32, [0, 4])
+    mx = b.computation(_scalar_fn("max", "maximum"))
+    b.root(b.op("reduce", [p, b.constant(np.float32(-np.inf))], np.float32, [4], called=[mx], dimensions=[0]))
+    got = compile_module(b.module(), TARGET).run([np.zeros((0, 4), np.float32)])
+    np.testing.assert_array_equal(got[0], np.full(4, -np.inf, np.float32))
 
 
 # ------------------------------------------------------------------ dot
@@ -458,8 +470,8 @@ def test_reduce_with_custom_reducer() -> None:
         return tf.maximum(tf.abs(a), tf.abs(b))
 
     def fn(x: tf.Tensor) -> tf.Tensor:
-        return xla.reduce(x, tf.constant(0.0), absmax.get_concrete_function(
-            tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)), [1])
+        return xla.reduce(x, tf.constant(0.0), [1], absmax.get_concrete_function(
+            tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)))
 
     x = np.random.default_rng(2).standard_normal((5, 7)).astype(np.float32)
     eu.check(fn, x)
@@ -485,13 +497,38 @@ def test_sort_and_argsort() -> None:
     prop()
 
 
+def test_variadic_sort_with_tf_comparator() -> None:
+    @tf.function
+    def by_abs_desc(a: tf.Tensor, b: tf.Tensor, i: tf.Tensor, j: tf.Tensor) -> tf.Tensor:
+        return tf.abs(a) > tf.abs(b)
+
+    spec = tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)
+    cmp = by_abs_desc.get_concrete_function(*spec, tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32))
+
+    def fn(x: tf.Tensor, i: tf.Tensor) -> list[tf.Tensor]:
+        return xla.variadic_sort([x, i], 1, cmp, True)
+
+    x = np.array([[3, -3, 1, -5, 0, 2, -2, 1], [1, 1, -1, 4, -4, 0.5, 9, -9]], np.float32)
+    i = np.arange(16, dtype=np.int32).reshape(2, 8)
+    d = eu.Differential(fn, x, i)
+    d.check(x, i)
+
+
+def _scalar_fn(name: str, opcode: str, dtype: type = np.float32, wrap: bool = False) -> eu.IRBuilder:
+    """A computation ``opcode(p0, p1)``; ``wrap`` adds a ``reshape`` (not element-wise safe),
+    which forces the scalar fallback paths of reduce/sort/map."""
+    sub = eu.IRBuilder(name)
+    p0, p1 = sub.parameter(dtype, []), sub.parameter(dtype, [])
+    if wrap:
+        p0 = sub.op("reshape", [p0], dtype, [])
+    out_dtype = bool if opcode == "compare" else dtype
+    extra = {"direction": "GT", "compare_type": "FLOAT"} if opcode == "compare" else {}
+    sub.root(sub.op(opcode, [p0, p1], out_dtype, [], **extra))
+    return sub
+
+
 def test_sort_with_general_comparator() -> None:
     # Sort by |x| descending, ties by value: comparator is not a plain compare (bitonic path).
-    b = eu.IRBuilder("sort")
-    x = b.parameter(np.float32, [2, 7])
-    b.root(b.op("sort", [x], np.float32, [2, 7], dimension=1, is_stable=True))
-    module = b.module()
-    comp = module.computations.add(id=2, name="cmp")
     sub = eu.IRBuilder("cmp")
     p0 = sub.parameter(np.float32, [])
     p1 = sub.parameter(np.float32, [])
@@ -502,48 +539,107 @@ def test_sort_with_general_comparator() -> None:
     lt = sub.op("compare", [p0, p1], bool, [], direction="LT", compare_type="FLOAT")
     both = sub.op("and", [eq, lt], bool, [])
     sub.root(sub.op("or", [gt, both], bool, []))
-    comp.CopyFrom(sub.module().computations[0])
-    comp.id = 2
-    module.computations[0].instructions[-1].called_computations.append(2)
+    b = eu.IRBuilder("sort")
+    x = b.parameter(np.float32, [2, 7])
+    b.root(b.op("sort", [x], np.float32, [2, 7], called=[b.computation(sub)], dimension=1, is_stable=True))
     data = np.array([[3, -3, 1, -5, 0, 2, -2], [1, 1, -1, 4, -4, 0.5, 9]], np.float32)
-    got = compile_module(module, TARGET).run([data])[0]
+    got = compile_module(b.module(), TARGET).run([data])[0]
     expected = np.array([sorted(row, key=lambda v: (-abs(v), v)) for row in data], np.float32)
     np.testing.assert_array_equal(got, expected)
+
+
+def test_scalar_fallbacks_for_non_elementwise_computations() -> None:
+    b = eu.IRBuilder("fallbacks")
+    x = b.parameter(np.float32, [3, 5])
+    add = b.computation(_scalar_fn("add", "add", wrap=True))
+    gt = b.computation(_scalar_fn("gt", "compare", wrap=True))
+    mul = b.computation(_scalar_fn("mul", "multiply", wrap=True))
+    red = b.op("reduce", [x, b.constant(np.float32(1))], np.float32, [3], called=[add], dimensions=[1])
+    srt = b.op("sort", [x], np.float32, [3, 5], called=[gt], dimension=1, is_stable=True)
+    mp = b.op("map", [x, x], np.float32, [3, 5], called=[mul], dimensions=[0, 1])
+    b.root(b.tuple([red, srt, mp]))
+    data = np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)
+    got = compile_module(b.module(), TARGET).run([data])
+    np.testing.assert_allclose(got[0], data.sum(axis=1) + 1, rtol=1e-6)
+    np.testing.assert_array_equal(got[1], -np.sort(-data, axis=1))
+    np.testing.assert_array_equal(got[2], data * data)
+
+
+def test_dead_code_is_removed_and_not_refused() -> None:
+    b = eu.IRBuilder("dce")
+    x = b.parameter(np.float32, [4])
+    b.op("custom-call", [x], np.float32, [4], custom_call_target="unused")
+    y = b.op("add", [x, x], np.float32, [4])
+    b.root(b.op("copy", [y], np.float32, [4]))
+    exe = compile_module(b.module(), TARGET)
+    assert exe.step_count == 1 and exe.instruction_count == 3
+    np.testing.assert_array_equal(exe.run([np.ones(4, np.float32)])[0], np.full(4, 2, np.float32))
 
 
 def test_map_and_total_order_compare_and_other_hand_built_ops() -> None:
     b = eu.IRBuilder("misc")
     x = b.parameter(np.float32, [8])
     i = b.parameter(np.int32, [8])
-    clz = b.op("clz", [i], np.int32, [8])
+    clz = b.op("count-leading-zeros", [i], np.int32, [8])
     afz = b.op("round-nearest-afz", [x], np.float32, [8])
     cbrt = b.op("cbrt", [x], np.float32, [8])
     total = b.op("compare", [x, afz], bool, [8], direction="LT", compare_type="TOTALORDER")
-    mapped = b.op("map", [x, x], np.float32, [8], dimensions=[0])
-    b.root(b.op("tuple", [clz, afz, cbrt, total, mapped], np.float32, []))
-    module = b.module()
-    root = module.computations[0].instructions[-1]
-    root.shape.Clear()
-    root.shape.is_tuple = True
-    for instr in module.computations[0].instructions[2:7]:
-        root.shape.tuple_shapes.add().CopyFrom(instr.shape)
-    comp = module.computations.add()
-    sub = eu.IRBuilder("mul")
-    p0, p1 = sub.parameter(np.float32, []), sub.parameter(np.float32, [])
-    sub.root(sub.op("multiply", [p0, p1], np.float32, []))
-    comp.CopyFrom(sub.module().computations[0])
-    comp.id = 2
-    module.computations[0].instructions[6].called_computations.append(2)
-
+    mul = b.computation(_scalar_fn("mul", "multiply"))
+    mapped = b.op("map", [x, x], np.float32, [8], called=[mul], dimensions=[0])
+    b.root(b.tuple([clz, afz, cbrt, total, mapped]))
     xs = np.array([0.5, -0.5, 2.5, -2.5, -0.0, np.nan, 0.49999997, -27], np.float32)
     ints_ = np.array([0, 1, -1, 255, 256, 2**31 - 1, 16, 3], np.int32)
-    got = compile_module(module, TARGET).run([xs, ints_])
+    got = compile_module(b.module(), TARGET).run([xs, ints_])
     np.testing.assert_array_equal(got[0], [32 - int(v).bit_length() if v >= 0 else 0 for v in ints_])
     np.testing.assert_array_equal(got[1], [1, -1, 3, -3, -0.0, np.nan, 0, -27])
     np.testing.assert_allclose(got[2], np.cbrt(xs), rtol=1e-6)
     # Total order: -0.0 < +0.0 and NaN (positive) is above everything.
     np.testing.assert_array_equal(got[3], [True, False, True, False, False, False, False, False])
     np.testing.assert_array_equal(got[4], xs * xs)
+
+
+def test_complex_and_plumbing_ops() -> None:
+    def fn(re: tf.Tensor, im: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        z = tf.complex(re, im)
+        w = z * z + tf.exp(z)
+        a, b = xla.optimization_barrier(re, im)
+        return tf.math.real(w), tf.math.imag(w), tf.abs(z), a + b, w
+
+    d = eu.Differential(fn, np.zeros(6, np.float32), np.zeros(6, np.float32))
+    assert {"complex", "real", "imag", "opt-barrier"} <= d.opcodes
+    rng = np.random.default_rng(8)
+    d.check(rng.uniform(-2, 2, 6).astype(np.float32), rng.uniform(-2, 2, 6).astype(np.float32),
+            rtol=1e-5, atol=1e-6)
+
+
+def test_rng_distributions_and_token_ops() -> None:
+    b = eu.IRBuilder("rng")
+    n = 20000
+    u = b.op("rng", [b.constant(np.float32(2)), b.constant(np.float32(5))], np.float32, [n],
+             distribution="uniform")
+    g = b.op("rng", [b.constant(np.float32(1)), b.constant(np.float32(2))], np.float32, [n],
+             distribution="normal")
+    k = b.op("rng", [b.constant(np.int32(0)), b.constant(np.int32(10))], np.int32, [n],
+             distribution="uniform")
+    x = b.parameter(np.float32, [3, 4])
+    size = b.op("get-dimension-size", [x], np.int32, [], dimension=1)
+    tok = b.op("after-all", [], None, [])
+    b.shape(tok).Clear()
+    b.shape(tok).dtype = ir_pb2.TOKEN
+    dep = b.op("add-dependency", [size, tok], np.int32, [])
+    clamp = b.op("clamp", [b.constant(np.float32(-1)), x, b.constant(np.float32(1))], np.float32, [3, 4])
+    b.root(b.tuple([u, g, k, dep, clamp]))
+    exe = compile_module(b.module(), TARGET)
+    xs = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    a = exe.run([xs])
+    again = exe.run([xs])
+    assert not np.array_equal(a[0], again[0])  # a new stream per call
+    uni, nor, ints_, dim, clamped = a
+    assert 2 <= uni.min() and uni.max() < 5 and abs(uni.mean() - 3.5) < 0.03
+    assert abs(nor.mean() - 1) < 0.05 and abs(nor.std() - 2) < 0.05
+    assert set(np.unique(ints_)) == set(range(10))
+    assert dim == 4
+    np.testing.assert_array_equal(clamped, np.clip(xs, -1, 1))
 
 
 # ------------------------------------------------------------------ control flow
@@ -674,7 +770,7 @@ def test_refused_opcode_names_opcode_and_layer() -> None:
     with pytest.raises(UnsupportedOpError) as err:
         compile_module(module, TARGET, CompileOptions(refuse_opcodes=frozenset({"dot"})))
     msg = str(err.value)
-    assert "'dot'" in msg and "dense_1" in msg and "sequential/dense_1/MatMul" in msg
+    assert "'dot'" in msg and "Keras layer 'dense_1'" in msg and "/MatMul" in msg
 
 
 def test_custom_call_is_always_refused_and_unknown_opcodes_too() -> None:
@@ -780,6 +876,9 @@ def test_layer_of() -> None:
     assert layer_of("sequential/dense_1/MatMul") == "dense_1"
     assert layer_of("gradient_tape/sequential/conv2d/Conv2DBackpropFilter") == "conv2d (backward)"
     assert layer_of("XLA_Args") == "" and layer_of("adam/Sqrt") == ""
+    # Keras 3 in a traced tf.function: every scope uniquified once.
+    assert layer_of("sequential_1/dense_1/MatMul") == "dense"
+    assert layer_of("gradient_tape/functional_1/conv2d_3_1/Conv2D") == "conv2d_3 (backward)"
 
 
 def test_converter_refuses_unknown_hlo_fields() -> None:
@@ -791,7 +890,7 @@ def test_converter_refuses_unknown_hlo_fields() -> None:
     hlo = hlo_pb2.HloModuleProto.FromString(eu.hlo_of(lambda x: x * 2.0, x))
     instr = next(i for c in hlo.computations for i in c.instructions if i.opcode == "multiply")
     instr.replica_groups.add().replica_ids.extend([0, 1])
-    with pytest.raises(HloConversionError, match=r"multiply.*replica_groups.*'mul'"):
+    with pytest.raises(HloConversionError, match=r"multiply.*TF op 'mul'.*replica_groups"):
         eu.hlo_module_to_ir(hlo.SerializeToString())
 
 

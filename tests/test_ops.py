@@ -104,9 +104,12 @@ class RaisingHandler:
 
 
 @pytest.fixture(autouse=True)
-def no_handler_after():
+def restore_handler_after():
+    """Each test installs its own handler; the process's handler (tf_ipu's runtime, when
+    other test modules imported it) is put back afterwards."""
+    previous = ops.get_device_handler()
     yield
-    ops.set_device_handler(None)
+    ops.set_device_handler(previous)
 
 
 @pytest.fixture
@@ -321,6 +324,7 @@ def test_replacing_the_handler_registers_again(handler: RecordingHandler) -> Non
 
 
 def test_without_handler_fails_with_import_hint() -> None:
+    ops.set_device_handler(None)
     with pytest.raises(tf.errors.FailedPreconditionError, match="`import tf_ipu`"):
         run_axpy([1.0], [1.0])
 

@@ -89,19 +89,25 @@ class IPUStepFunction:
     # -- host side: the infeed ---------------------------------------------------------
     def __call__(self, data: Any) -> Any:
         if self.kind == "predict":
-            batches = [self._strip(b) for b in data]
-            return self._run_batches(batches)
-        if _is_tf_iterator(data):
-            batches = self._pull(data)
+            groups = self._group([self._strip(b) for b in data])
+        elif _is_tf_iterator(data):
+            groups = self._pull(data)
         else:  # a Python iterable (train_on_batch/test_on_batch)
             batches = []
             for item in data:
                 batches.append(self._strip(item))
                 if len(batches) == self.steps_per_execution:
                     break
-        if not batches:
+            groups = self._group(batches)
+        if not groups:
             raise StopIteration
-        return self._run_batches(batches)
+        outputs = [self._run_group(*g) for g in groups]
+        if self.kind != "predict":
+            return outputs[-1]
+        result = outputs[0]
+        for more in outputs[1:]:
+            result = tf.nest.map_structure(lambda a, b: tf.concat([a, b], 0), result, more)
+        return result
 
     @staticmethod
     def _strip(batch: Any) -> Any:
@@ -110,8 +116,33 @@ class IPUStepFunction:
             lambda x: None if not _leaf_is_data(x) else tf.convert_to_tensor(x), batch
         )
 
-    def _pull(self, iterator: Any) -> list[Any]:
-        """Pulls up to N batches from a tf iterator in one traced call."""
+    @staticmethod
+    def _group(batches: list[Any]) -> list[tuple[Any, list[tf.Tensor], int]]:
+        """Runs of batches with the same shapes -> (template, stacked inputs, count)."""
+        runs: list[list[Any]] = []
+        last = None
+        for b in batches:
+            sig = tuple(
+                None if x is None else (x.dtype, tuple(x.shape)) for x in tf.nest.flatten(b)
+            )
+            if runs and sig == last:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+                last = sig
+        groups = []
+        for run in runs:
+            flats = [tf.nest.flatten(b) for b in run]
+            stacked = [
+                tf.stack([f[i] for f in flats])
+                for i, x in enumerate(flats[0])
+                if x is not None
+            ]
+            groups.append((run[0], stacked, len(run)))
+        return groups
+
+    def _pull(self, iterator: Any) -> list[tuple[Any, list[tf.Tensor], int]]:
+        """Pulls up to N batches from a tf iterator in one traced call, stacked per input."""
         if self._pull_fn is None:
             self._pull_fn = self._make_pull(iterator)
         count, sizes, flat = self._pull_fn(iterator)
@@ -122,14 +153,25 @@ class IPUStepFunction:
         leaves = tf.nest.flatten(spec)
         keep = [i for i, s in enumerate(leaves) if isinstance(s, tf.TensorSpec)]
         sizes = sizes.numpy()
-        pieces = [tf.split(t, sizes) if count > 1 else [t] for t in flat]
-        batches = []
-        for b in range(count):
-            values: list[Any] = [None] * len(leaves)
+        # Runs of equal batch size (all of them, but for an epoch's last, smaller batch).
+        groups = []
+        start = 0
+        while start < count:
+            end = start
+            while end < count and sizes[end] == sizes[start]:
+                end += 1
+            b = int(sizes[start])
+            lo, hi = int(sizes[:start].sum()), int(sizes[:end].sum())
+            stacked = []
+            template: list[Any] = [None] * len(leaves)
             for j, i in enumerate(keep):
-                values[i] = pieces[j][b]
-            batches.append(tf.nest.pack_sequence_as(spec, values))
-        return batches
+                t = flat[j] if (lo, hi) == (0, flat[j].shape[0]) else flat[j][lo:hi]
+                t = tf.reshape(t, [end - start, b, *t.shape[1:]])
+                stacked.append(t)
+                template[i] = True  # a placeholder: this input is present
+            groups.append((tf.nest.pack_sequence_as(spec, template), stacked, end - start))
+            start = end
+        return groups
 
     def _make_pull(self, iterator: Any) -> Any:
         n = self.steps_per_execution
@@ -173,51 +215,23 @@ class IPUStepFunction:
 
         return pull
 
-    # -- grouping and stacking -----------------------------------------------------------
-    def _run_batches(self, batches: list[Any]) -> Any:
-        groups: list[list[Any]] = []
-        last_sig = None
-        for b in batches:
-            sig = tuple(
-                None if x is None else (x.dtype, tuple(x.shape)) for x in tf.nest.flatten(b)
-            )
-            if groups and sig == last_sig:
-                groups[-1].append(b)
-            else:
-                groups.append([b])
-                last_sig = sig
-        outputs = [self._run_group(g) for g in groups]
-        if self.kind != "predict":
-            return outputs[-1]
-        result = outputs[0]
-        for more in outputs[1:]:
-            result = tf.nest.map_structure(lambda a, b: tf.concat([a, b], 0), result, more)
-        return result
-
-    def _run_group(self, group: list[Any]) -> Any:
+    def _run_group(self, structure: Any, stacked: list[tf.Tensor], k: int) -> Any:
+        """One device call over ``k`` stacked batches (padded to N)."""
         n = self.steps_per_execution
-        k = len(group)
-        structure = group[0]
-        flat0 = tf.nest.flatten(structure)
-        present = [i for i, x in enumerate(flat0) if x is not None]
-        stacked = []
-        for i in present:
-            parts = [tf.nest.flatten(b)[i] for b in group]
-            t = tf.stack(parts) if k > 1 else tf.expand_dims(parts[0], 0)
-            if k < n:
-                pad = [[0, n - k]] + [[0, 0]] * (t.shape.rank - 1)
-                t = tf.pad(t, pad)
-            stacked.append(t)
+        present = [i for i, x in enumerate(tf.nest.flatten(structure)) if x is not None]
+        if k < n:
+            stacked = [
+                tf.pad(t, [[0, n - k]] + [[0, 0]] * (t.shape.rank - 1)) for t in stacked
+            ]
         key = (
-            tf.nest.map_structure(lambda x: x is None, structure, expand_composites=False)
-            .__repr__(),
+            tuple(present),
             tuple((t.dtype, tuple(t.shape)) for t in stacked),
         )
         entry = self._programs.get(key)
         if entry is None:
             entry = self._lower(structure, present, stacked)
             self._programs[key] = entry
-        lowered, runner = entry
+        _, runner = entry
         result = runner(tf.constant(k, tf.int32), *stacked)
         self.device_calls += 1
         if self.kind == "predict":

@@ -100,7 +100,6 @@ class DeviceRuntime:
         self._programs: list[ProgramEntry] = []
         self._by_digest: dict[str, int] = {}
         self._synced: dict[str, np.ndarray] = {}
-        self._handler_installed = False
         self.reports: list[CompileReport] = []
         self.device_calls = 0
 
@@ -199,13 +198,14 @@ class DeviceRuntime:
 
     # -- programs ------------------------------------------------------------------------
     def ensure_handler(self) -> None:
-        """Registers this runtime as the handler of IpuExecute kernels (once)."""
-        if self._handler_installed:
-            return
+        """Makes this runtime the handler of IpuExecute kernels (if another is installed,
+        e.g. by a test, it is replaced)."""
         import tf_ipu_ops
 
+        current = tf_ipu_ops.get_device_handler()
+        if isinstance(current, _Handler) and current.runtime is self:
+            return
         tf_ipu_ops.set_device_handler(_Handler(self))
-        self._handler_installed = True
 
     def register_program(self, program: bytes, signature: str) -> int:
         """Registers a program by content; returns its id (the same for the same bytes)."""
@@ -325,13 +325,13 @@ class _Handler:
     """Adapter from the op library's DeviceHandler protocol to the runtime."""
 
     def __init__(self, runtime: DeviceRuntime) -> None:
-        self._runtime = runtime
+        self.runtime = runtime
 
     def register_program(self, program: bytes, signature: str) -> int:
-        return self._runtime.register_program(program, signature)
+        return self.runtime.register_program(program, signature)
 
     def execute(self, program_id: int, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        self._runtime.execute(program_id, inputs, outputs)
+        self.runtime.execute(program_id, inputs, outputs)
 
 
 _RUNTIME: DeviceRuntime | None = None

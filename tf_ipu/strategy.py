@@ -67,6 +67,16 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
 
         return list(runtime.get_runtime().reports)
 
+    def experimental_distribute_dataset(self, dataset: tf.data.Dataset, options: Any = None) -> Any:
+        """Returns ``dataset`` itself: one replica, fed from the host, so no per-device
+        iterator is needed (Keras then pulls batches through a plain tf.data iterator,
+        which the infeed gathers N at a time)."""
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """Calls ``dataset_fn`` with the one input pipeline's context."""
+        return dataset_fn(tf.distribute.InputContext(1, 0, 1))
+
     @contextlib.contextmanager
     def lowering(self) -> Iterator[None]:
         """Marks code being traced into a device program (``run`` then runs inline)."""

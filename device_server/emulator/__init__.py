@@ -1,12 +1,38 @@
-"""The IPU emulator: compiles IR modules (``device_server/protocol/ir.proto``) for an IPU
-target and runs them with numpy, with an analytical cost and memory estimate.
+"""The IPU emulator: compiles IR modules (``device_server/protocol/ir.proto``, attributes in
+``docs/ir.md``) for an IPU target and runs them with numpy, with an analytical cost and
+memory estimate.
 
-    from device_server.emulator import compile_module, get_target
+    from device_server.emulator import CompileOptions, compile_module, get_target
     exe = compile_module(module, get_target("ipu2"))
-    outputs = exe.run(arrays)          # thread-safe
-    exe.estimate.to_dict()             # cycles, seconds, memory per tile, fits
+    outputs = exe.run(arrays)      # flattened entry result; thread-safe
+    exe.aliases                    # output index -> parameter number (updated variables)
+    exe.estimate.to_dict()         # cycles, seconds, bytes per tile, fits, assumptions
 
-Targets: "ipu1" (GC2), "ipu2" (GC200), "bow" (alias "ipu21"); see ``arch.py``.
+Targets (``arch.py``): "ipu1" (GC2), "ipu2" (GC200), "bow" (alias "ipu21"); a smaller
+``tiles_per_ipu`` may be requested.
+
+Compilation (``compiler.py``) plans the program once: dead code elimination, constant
+folding, slot forwarding for copies/tuple plumbing, and one step per remaining instruction
+holding a kernel function built by the opcode's factory (``kernels/``). Running a program
+copies a small template list and calls the steps in order, about 1 us of interpreter work per
+step. Called computations (while, call, conditional, reducers, comparators) are compiled the
+same way.
+
+Errors: :class:`UnsupportedOpError` (compile time; an opcode without a kernel, one listed in
+``CompileOptions.refuse_opcodes``, or any ``custom-call``), :class:`OutOfMemoryError` (compile
+time, when the estimate does not fit the tiles' SRAM and ``allow_out_of_memory`` is not set),
+:class:`InvalidProgramError` (malformed IR), :class:`ExecutionError` (bad arguments or a kernel
+failure at run time). Messages name the instruction, its opcode, the framework op and the
+Keras layer.
+
+Test switch: ``CompileOptions(fault_inject_opcode="dot")`` perturbs every result of that
+opcode at run time (floats ``x * 1.01 + 1e-3``, integers ``+1``, booleans negated), so a test
+can prove that its comparison would catch a wrong kernel. It is never meant for real runs.
+
+Numerics (vs. XLA on CPU, the reference): results match to float32 rounding. Deliberate
+differences: ``maximum``/``minimum`` propagate NaN as XLA's semantics say (TF 2.21's XLA CPU
+uses "fast" min/max that can drop a NaN in the second operand); subnormal results are kept
+(XLA CPU flushes them to zero); random bits are repeatable per seed but not XLA's bits.
 """
 
 from device_server.emulator.arch import BOW, GC2, GC200, PRESETS, Target, get_target

@@ -4,7 +4,7 @@ Planning happens once, in :func:`compile_module`:
 
 * dead code elimination (only what the root of each computation needs is kept);
 * one slot per live value; ``get-tuple-element`` of a ``tuple``, ``copy``, same-shape
-  ``reshape`` and ``optimization-barrier`` reuse their operand's slot instead of running;
+  ``reshape`` and ``opt-barrier`` reuse their operand's slot instead of running;
 * constants, and instructions whose operands are all constants, are evaluated at compile time
   and stored in a per-program template (constant folding);
 * every other instruction becomes a step ``(kernel_fn, operand_slots, out_slot, dead_slots)``
@@ -66,7 +66,7 @@ ALWAYS_REFUSED = frozenset({"custom-call"})
 _NOT_FOLDABLE = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "outfeed"})
 _FOLD_LIMIT_BYTES = 16 << 20
 # Ops that only pass their operand on (the value is immutable, so no copy is needed).
-_FORWARDING = frozenset({"copy", "optimization-barrier"})
+_FORWARDING = frozenset({"copy", "opt-barrier"})
 # Binary ops of two parameters that a reducer may be, and their ufuncs.
 _REDUCER_UFUNCS: dict[str, np.ufunc] = {
     "add": np.add,
@@ -86,9 +86,9 @@ ELEMENTWISE_SAFE = frozenset(
         "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic", "sqrt",
         "rsqrt", "cbrt", "tanh", "sine", "cosine", "tan", "atan2", "floor", "ceil",
         "round-nearest-afz", "round-nearest-even", "sign", "is-finite", "not", "and", "or",
-        "xor", "shift-left", "shift-right-logical", "shift-right-arithmetic", "popcnt", "clz",
+        "xor", "shift-left", "shift-right-logical", "shift-right-arithmetic", "popcnt", "count-leading-zeros",
         "erf", "select", "clamp", "compare", "convert", "copy", "real", "imag", "complex",
-        "reduce-precision", "optimization-barrier",
+        "reduce-precision", "opt-barrier",
     }
 )
 
@@ -293,7 +293,7 @@ class _Context:
 
     def computation(self, index: int) -> Callable[[Sequence[Any]], Any]:
         comp = self._callee(index)
-        return self._compiler.program(comp.id, self.instr)
+        return self._compiler.program(comp.id, self.instr)._call  # skip one call level
 
     def computation_ir(self, index: int) -> ir_pb2.Computation:
         """The IR of the index-th called computation (for kernels that pattern-match it)."""
@@ -307,7 +307,7 @@ class _Context:
             i.opcode in ELEMENTWISE_SAFE and not i.called_computations
             and (i.opcode != "constant" or not i.shape.dims)
             for i in comp.instructions
-        ) and self._compiler.options.fault_inject_opcode == ""
+        )
 
     def reducer_ufunc(self, index: int) -> np.ufunc | None:
         comp = self._callee(index)

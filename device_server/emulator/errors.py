@@ -7,6 +7,8 @@ from (``source_op``) and, for Keras models, the layer (derived from the op name 
 
 from __future__ import annotations
 
+import re
+
 from device_server.protocol import ir_pb2
 
 __all__ = [
@@ -50,6 +52,9 @@ _NON_LAYER_SCOPES = {
 }
 
 
+_UNIQUIFIED = re.compile(r"^(.+)_\d+$")
+
+
 def layer_of(source_op: str) -> str:
     """Best-effort Keras layer name of a TF op name, ``""`` when there is none.
 
@@ -57,6 +62,11 @@ def layer_of(source_op: str) -> str:
     ``gradient_tape/sequential/conv2d/Conv2DBackpropFilter`` -> ``conv2d (backward)``.
     The first scope is taken to be the model and the second the layer, as Keras names ops
     ``<model>/<layer>/<op>``; names with fewer scopes have no layer.
+
+    Measured on Keras 3.15 / TF 2.21: inside a traced ``tf.function`` Keras enters each scope
+    twice, so TF uniquifies every component once (layer ``dense`` of model ``sequential``
+    gives ``sequential_1/dense_1/MatMul``; layer ``dense_1`` gives ``dense_1_1``). When the
+    model scope carries such a ``_<n>`` suffix, one suffix is removed from the layer scope.
     """
     parts = [p for p in source_op.split("/") if p]
     backward = bool(parts) and parts[0] in _BACKWARD_SCOPES
@@ -64,7 +74,12 @@ def layer_of(source_op: str) -> str:
         parts = parts[1:]
     if len(parts) < 3 or parts[0] in _NON_LAYER_SCOPES or parts[1] in _NON_LAYER_SCOPES:
         return ""
-    return f"{parts[1]} (backward)" if backward else parts[1]
+    layer = parts[1]
+    if _UNIQUIFIED.match(parts[0]):
+        m = _UNIQUIFIED.match(layer)
+        if m:
+            layer = m.group(1)
+    return f"{layer} (backward)" if backward else layer
 
 
 def describe(instr: ir_pb2.Instruction) -> str:

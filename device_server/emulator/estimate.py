@@ -39,7 +39,7 @@ __all__ = ["Estimate", "estimate_module", "while_trip_count"]
 _FREE = frozenset(
     {
         "parameter", "constant", "tuple", "get-tuple-element", "reshape", "bitcast",
-        "broadcast", "transpose", "slice", "reverse", "optimization-barrier", "after-all",
+        "broadcast", "transpose", "slice", "reverse", "opt-barrier", "after-all",
         "add-dependency", "get-dimension-size", "copy",
     }
 )
@@ -47,7 +47,7 @@ _FREE = frozenset(
 _VIEWS = frozenset(
     {
         "tuple", "get-tuple-element", "reshape", "bitcast", "broadcast", "transpose", "slice",
-        "reverse", "optimization-barrier", "add-dependency",
+        "reverse", "opt-barrier", "add-dependency",
     }
 )
 _TRANSCENDENTAL = frozenset(
@@ -62,7 +62,7 @@ _EXCHANGING = frozenset(
     {
         "dot", "convolution", "reduce", "reduce-window", "select-and-scatter", "transpose",
         "concatenate", "pad", "gather", "scatter", "dynamic-slice", "dynamic-update-slice",
-        "sort", "map", "reverse", "copy",
+        "sort", "map",
     }
 )
 
@@ -205,10 +205,8 @@ class _Walker:
         a = instr.attrs
         kof = a["kernel_output_feature_dimension"].i if "kernel_output_feature_dimension" in a else len(rhs.dims) - 1
         per = _elems(rhs) / max(1, rhs.dims[kof] if rhs.dims else 1)
-        lhs = shapes.get(instr.operands[0])
-        bgc = a["batch_group_count"].i if "batch_group_count" in a else 1
-        if lhs is not None and bgc > 1 and "input_batch_dimension" in a:
-            per *= 1  # each output feature reads one batch group: already counted per feature
+        # With batch_group_count (weight gradients), the "kernel" is the output gradient and
+        # each output element still sums rhs_elems / output_features products.
         return float(per)
 
     def comp_cost(self, comp_id: int) -> tuple[float, float, int]:
@@ -387,12 +385,13 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn, target: Target) -> Esti
     if w.per_iteration_loops:
         assumptions = (*ASSUMPTIONS, f"{w.per_iteration_loops} while loop(s) without a constant "
                        "trip count are counted as one iteration")
+    whole_cycles = int(math.ceil(cycles))
     return Estimate(
         ipu_version=target.ipu_version,
         tiles_per_ipu=target.tiles_per_ipu,
         clock_hz=target.clock_hz,
-        cycles=int(math.ceil(cycles)),
-        seconds=cycles / target.clock_hz,
+        cycles=whole_cycles,
+        seconds=whole_cycles / target.clock_hz,
         peak_tile_bytes=int(per_tile),
         tile_bytes_limit=target.sram_bytes_per_tile,
         total_bytes=int(total),

@@ -1,5 +1,5 @@
 """Kernels for values and control flow: parameter, constant, tuple, get-tuple-element, call,
-while, conditional, optimization-barrier, after-all, add-dependency, get-dimension-size,
+while, conditional, opt-barrier, after-all, add-dependency, get-dimension-size,
 replica-id, partition-id.
 
 ``parameter`` and ``constant`` are placed in slots by the compiler itself; their factories
@@ -38,7 +38,7 @@ def _gte(ctx: KernelContext) -> KernelFn:
     return lambda ops: ops[0][index]
 
 
-@register("optimization-barrier", "add-dependency", "copy-start", "copy-done")
+@register("opt-barrier", "add-dependency")
 def _identity(ctx: KernelContext) -> KernelFn:
     return lambda ops: ops[0]
 

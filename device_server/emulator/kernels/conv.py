@@ -48,8 +48,10 @@ from device_server.emulator.kernels.window import (
     read_window,
 )
 
-# Elements of one im2col block: bounds the scratch memory of a convolution (16 MiB in f32).
-_BLOCK_ELEMENTS = 1 << 22
+# Elements of one im2col block: bounds the scratch memory of a convolution (4 MiB in f32).
+_BLOCK_ELEMENTS = 1 << 20
+# Elements of one block of depthwise outputs: small enough to stay in cache.
+_DEPTHWISE_BLOCK_ELEMENTS = 1 << 15
 
 
 def _blocks(nb: int, o1: int, inner: int, row_budget: int) -> list[tuple[int, int, int, int]]:
@@ -142,6 +144,9 @@ def convolution(ctx: KernelContext) -> KernelFn:
     blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
     max_rows = max((b[1] - b[0]) * (b[3] - b[2]) * math.prod(os_[1:]) for b in blocks) if blocks else 0
     trivial = rows == 0 or kc == 0
+    lead = (slice(None),) * (1 + len(os_))
+    dw_blocks = _blocks(n, os_[0], math.prod(os_[1:]), max(1, _DEPTHWISE_BLOCK_ELEMENTS // max(1, c)))
+    dw_max_rows = max((b[1] - b[0]) * (b[3] - b[2]) * math.prod(os_[1:]) for b in dw_blocks) if dw_blocks else 0
 
     def prepare_input(lhs: np.ndarray) -> np.ndarray:
         x = lhs.transpose(lhs_perm).reshape((n, *sp, c))
@@ -190,20 +195,26 @@ def convolution(ctx: KernelContext) -> KernelFn:
             res = np.matmul(p.reshape(rows, c), kern[0])
             return finish(res)
         if depthwise:
+            # One input feature per group: a sum over window taps of the strided view times
+            # the tap's weights, in cache-sized blocks of output rows. The channel multiplier
+            # is the outer axis while accumulating, so every pass runs along the features.
             view = windows(p, grouped=False)
-            mult = og
-            taps = kern.reshape(groups, kp, mult).transpose(1, 0, 2)  # (kp, c, mult)
-            acc = np.zeros((n, *os_, c, mult) if mult > 1 else (n, *os_, c), cdt)
-            tmp = np.empty_like(acc)
-            lead = (slice(None),) * (1 + len(os_))
-            for j, kap in enumerate(kappas):
-                v = view[(*lead, *kap)]
-                if mult > 1:
-                    np.multiply(v[..., None], taps[j], out=tmp)
-                else:
-                    np.multiply(v, taps[j, :, 0], out=tmp)
-                acc += tmp
-            return finish(acc)
+            taps = kern.reshape(groups, kp, og).transpose(2, 1, 0)  # (multiplier, taps, c)
+            out = np.empty((og, n, *os_, c), cdt)
+            tmp = np.empty(dw_max_rows * c, cdt)
+            for n0, n1, a0, a1 in dw_blocks:
+                vb = view[n0:n1, a0:a1]
+                for m in range(og):
+                    acc = out[m, n0:n1, a0:a1]
+                    t = tmp[: acc.size].reshape(acc.shape)
+                    for j, kap in enumerate(kappas):
+                        v = vb[(*lead, *kap)]
+                        if j == 0:
+                            np.multiply(v, taps[m, 0], out=acc)
+                        else:
+                            np.multiply(v, taps[m, j], out=t)
+                            acc += t
+            return finish(np.moveaxis(out, 0, -1) if og > 1 else out[0])
         view = windows(p, grouped=True)
         out = np.empty((nb, *os_, ko), cdt)
         scratch = np.empty(groups * max_rows * kc, cdt)

@@ -190,7 +190,7 @@ def _popcnt(ctx: KernelContext) -> KernelFn:
     return lambda ops: np.bitwise_count(np.asarray(ops[0]).astype(src, copy=False).view(udt)).astype(dt)
 
 
-@register("clz")
+@register("count-leading-zeros")
 def _clz_kernel(ctx: KernelContext) -> KernelFn:
     dt = ctx.operand_dtypes[0]
     return lambda ops: _clz(ops[0], dt)

@@ -65,7 +65,8 @@ def _reduce(ctx: KernelContext) -> KernelFn:
             return run_wide
         if ufunc in (np.maximum, np.minimum):
             return lambda ops: ufunc.reduce(ops[0], axis=dims, initial=np.asarray(ops[1])[()])
-        return lambda ops: ufunc(ufunc.reduce(ops[0], axis=dims), ops[1])
+        # dtype=: numpy would widen small integers; XLA wraps in the element type.
+        return lambda ops: ufunc(ufunc.reduce(ops[0], axis=dims, dtype=dt), ops[1])
 
     comp = ctx.computation(0)
     perm = kept + dims

@@ -14,6 +14,8 @@ import numpy as np
 
 from device_server.emulator.kernels import KernelContext, KernelFn, register
 
+_SMALL = 16384  # elements: below this, materialize broadcasts instead of making views
+
 
 @register("copy")
 def _copy(ctx: KernelContext) -> KernelFn:
@@ -39,6 +41,17 @@ def _broadcast(ctx: KernelContext) -> KernelFn:
     for i, d in enumerate(dims):
         expanded[d] = in_shape[i]
     expanded_t = tuple(expanded)
+    dt = ctx.out_dtype
+    if int(np.prod(out_shape, dtype=np.int64)) <= _SMALL:
+        # Small results: filling a new array is cheaper than np.broadcast_to's view setup.
+        def run_small(ops: Sequence[Any]) -> np.ndarray:
+            a = np.asarray(ops[0])
+            if perm is not None:
+                a = a.transpose(perm)
+            out = np.empty(out_shape, dt)
+            out[...] = a.reshape(expanded_t)
+            return out
+        return run_small
 
     def run(ops: Sequence[Any]) -> np.ndarray:
         a = np.asarray(ops[0])

@@ -329,10 +329,58 @@ def _window_views(
     return as_strided(buf, shape, vstrides, writeable=False), list(itertools.product(*(range(k) for k in w.size)))
 
 
+def window_masks(w: Window, in_sizes: Sequence[int], out_sizes: Sequence[int]) -> list[np.ndarray | None]:
+    """For every window offset κ (row-major), which windows see a real input element there
+    (not padding, not a base-dilation hole): a boolean array broadcastable to ``out_sizes``,
+    or None when all do."""
+    rank = len(in_sizes)
+    per_dim = []
+    for d in range(rank):
+        o = np.arange(out_sizes[d], dtype=np.int64)[:, None]
+        pos = o * w.strides[d] + np.arange(w.size[d], dtype=np.int64)[None, :] * w.window_dilation[d] - w.pad_lo[d]
+        src, rem = np.divmod(pos, w.base_dilation[d])
+        per_dim.append((rem == 0) & (src >= 0) & (src < in_sizes[d]))
+    masks: list[np.ndarray | None] = []
+    for kap in itertools.product(*(range(k) for k in w.size)):
+        mask = None
+        for d in range(rank):
+            col = per_dim[d][:, kap[d]]
+            if not col.all():
+                shape = [1] * rank
+                shape[d] = out_sizes[d]
+                m = col.reshape(shape)
+                mask = m if mask is None else mask & m
+        masks.append(mask)
+    return masks
+
+
+def ufunc_identity(ufunc: np.ufunc, dtype: np.dtype) -> Any | None:
+    """A value ``e`` with ``ufunc(e, x) == x`` for every ``x`` of ``dtype``, or None."""
+    dtype = np.dtype(dtype)
+    floating = dtype.kind == "f" or dtype.name == "bfloat16"
+    if ufunc in (np.add, np.bitwise_or, np.bitwise_xor, np.logical_or, np.logical_xor):
+        return np.zeros((), dtype)
+    if ufunc is np.multiply:
+        return np.ones((), dtype)
+    if ufunc in (np.bitwise_and, np.logical_and):
+        return np.ones((), dtype) if dtype.kind == "b" else np.invert(np.zeros((), dtype))
+    if ufunc in (np.maximum, np.minimum):
+        low = ufunc is np.maximum
+        if floating:
+            return np.asarray(-np.inf if low else np.inf, dtype)
+        if dtype.kind == "b":
+            return np.asarray(not low)
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            return np.asarray(info.min if low else info.max, dtype)
+    return None
+
+
 @register("reduce-window")
 def reduce_window(ctx: KernelContext) -> KernelFn:
-    """XLA ReduceWindow: every output element reduces one window of the base-dilated,
-    padded input (holes and padding hold the init value), starting from the init value."""
+    """XLA ReduceWindow: every output element is the init value combined with the input
+    elements its window covers in the base-dilated, padded frame (padding and dilation holes
+    contribute nothing, as in XLA's CPU implementation)."""
     n_ops = len(ctx.operand_shapes)
     if n_ops < 2 or n_ops % 2:
         raise invalid(ctx, f"expected N inputs followed by N init values, got {n_ops} operands.")
@@ -353,47 +401,51 @@ def reduce_window(ctx: KernelContext) -> KernelFn:
     place = w.placement(in_shape)
     trivial = w.is_trivial_padding()
     ufunc = ctx.reducer_ufunc(0) if n == 1 else None
+    if ufunc is not None:
+        acc_dt = accumulation_dtype(dtypes[0]) if ufunc is np.add and (
+            dtypes[0].kind == "f" or dtypes[0].name == "bfloat16") else dtypes[0]
+        fill = ufunc_identity(ufunc, acc_dt)
+        if fill is None:
+            ufunc = None
 
-    def padded_input(x: np.ndarray, init: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    def framed(x: np.ndarray, fill: Any, dtype: np.dtype) -> np.ndarray:
         if trivial:
             return x.astype(dtype, copy=False)
-        buf = np.full(padded, init, dtype=dtype)
+        buf = np.full(padded, fill, dtype=dtype)
         if place is not None:
             buf[place[1]] = x[place[0]]
         return buf
 
     if ufunc is not None:
-        # Associative and commutative: reduce one dimension at a time (sum of window sizes
-        # passes instead of their product), then combine with the init value once.
-        acc_dt = accumulation_dtype(dtypes[0]) if ufunc is np.add and dtypes[0].kind in "fV" else dtypes[0]
+        # Associative and commutative with an identity: fill the frame with the identity and
+        # reduce one dimension at a time (sum of the window sizes passes instead of their
+        # product), then combine with the init value once.
         out_dt = dtypes[0]
 
         def run_ufunc(ops: Sequence[Any]) -> np.ndarray:
             x, init = np.asarray(ops[0]), np.asarray(ops[1])
             if 0 in out_sizes:
                 return np.empty(out_sizes, out_dt)
-            acc = padded_input(x, init, acc_dt)
+            acc = framed(x, fill, acc_dt)
             for d in range(rank):
                 k, st, wd, o = w.size[d], w.strides[d], w.window_dilation[d], out_sizes[d]
                 if k == 1 and st == 1 and acc.shape[d] == o:
                     continue
                 lead = (slice(None),) * d
-
-                def part(j: int, acc: np.ndarray = acc, lead: tuple = lead, st: int = st, wd: int = wd, o: int = o) -> np.ndarray:
-                    return acc[(*lead, slice(j * wd, j * wd + (o - 1) * st + 1, st))]
-
+                parts = [acc[(*lead, slice(j * wd, j * wd + (o - 1) * st + 1, st))] for j in range(k)]
                 if k == 1:
-                    acc = part(0)
+                    acc = parts[0]
                     continue
-                res = ufunc(part(0), part(1))
-                for j in range(2, k):
-                    ufunc(res, part(j), out=res)
+                res = ufunc(parts[0], parts[1])
+                for part in parts[2:]:
+                    ufunc(res, part, out=res)
                 acc = res
-            return np.asarray(ufunc(acc, init.astype(acc_dt)), dtype=out_dt, order="C")
+            return np.asarray(ufunc(init.astype(acc_dt), acc), dtype=out_dt, order="C")
 
         return run_ufunc
 
     combine = elementwise(ctx.computation(0), n)
+    masks = window_masks(w, in_shape, out_sizes) if 0 not in out_sizes else []
 
     def run_generic(ops: Sequence[Any]) -> Any:
         xs = [np.asarray(o) for o in ops[:n]]
@@ -401,12 +453,13 @@ def reduce_window(ctx: KernelContext) -> KernelFn:
         if 0 in out_sizes:
             res = tuple(np.empty(out_sizes, dt) for dt in dtypes)
         else:
-            bufs = [padded_input(x, i, dt) for x, i, dt in zip(xs, inits, dtypes, strict=True)]
+            bufs = [framed(x, i, dt) for x, i, dt in zip(xs, inits, dtypes, strict=True)]
             views = [_window_views(b, w, out_sizes) for b in bufs]
             acc = [np.full(out_sizes, i, dtype=dt) for i, dt in zip(inits, dtypes, strict=True)]
-            for kappa in views[0][1]:
+            for kappa, mask in zip(views[0][1], masks, strict=True):
                 vals = [np.asarray(v[0][kappa]) for v in views]
-                acc = [np.asarray(a, dtype=dt) for a, dt in zip(combine(acc + vals), dtypes, strict=True)]
+                new = [np.asarray(a, dtype=dt) for a, dt in zip(combine(acc + vals), dtypes, strict=True)]
+                acc = new if mask is None else [np.where(mask, a_new, a) for a_new, a in zip(new, acc, strict=True)]
             res = tuple(np.ascontiguousarray(a) for a in acc)
         return res if n > 1 else res[0]
 
@@ -460,23 +513,12 @@ def select_and_scatter(ctx: KernelContext) -> KernelFn:
     kappas = list(itertools.product(*(range(k) for k in w.size)))
     offsets = np.array([sum(k * es for k, es in zip(kap, estrides, strict=True)) for kap in kappas], np.int64)
     base = np.zeros(out_sizes, np.int64)
-    masks: list[np.ndarray | None] = []
-    per_dim_valid = []
     for d in range(rank):
-        o = np.arange(out_sizes[d], dtype=np.int64)
         bshape = [1] * rank
         bshape[d] = out_sizes[d]
+        o = np.arange(out_sizes[d], dtype=np.int64)
         base = base + ((o * w.strides[d] - w.pad_lo[d]) * estrides[d]).reshape(bshape)
-        pos = o[:, None] * w.strides[d] + np.arange(w.size[d])[None, :] - w.pad_lo[d]
-        per_dim_valid.append(((pos >= 0) & (pos < shape[d]), bshape))
-    for kap in kappas:
-        mask = None
-        for d, (valid, bshape) in enumerate(per_dim_valid):
-            col = valid[:, kap[d]]
-            if not col.all():
-                m = col.reshape(bshape)
-                mask = m if mask is None else mask & m
-        masks.append(mask)
+    masks = window_masks(w, shape, out_sizes)
     kappa_dt = np.int16 if len(kappas) < 2**15 else np.int64
     # The frame the windows walk over: the operand with its padding (negative padding crops).
     frame = tuple(s + lo + hi for s, lo, hi in zip(shape, w.pad_lo, w.pad_hi, strict=True))
