@@ -12,7 +12,6 @@ import math
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_ipu
 from tests.keras_util import classification_data, mlp, rel_l2, small_cnn
@@ -54,10 +53,10 @@ def test_fit_matches_cpu(strategy, build, shape):
                      metrics=["accuracy"])
     h_ref = ref.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     h_ipu = ipu.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
-    for epoch, (a, b) in enumerate(zip(h_ipu.history["loss"], h_ref.history["loss"])):
+    for epoch, (a, b) in enumerate(zip(h_ipu.history["loss"], h_ref.history["loss"], strict=True)):
         assert abs(a - b) <= 1e-4 * abs(b), f"epoch {epoch}: loss {a} vs CPU {b}"
     assert h_ipu.history["accuracy"] == pytest.approx(h_ref.history["accuracy"], abs=0.011)
-    for w_ipu, w_ref, v in zip(ipu.get_weights(), ref.get_weights(), ref.weights):
+    for w_ipu, w_ref, v in zip(ipu.get_weights(), ref.get_weights(), ref.weights, strict=True):
         assert rel_l2(w_ipu, w_ref) <= 1e-3, f"{v.path}: rel L2 {rel_l2(w_ipu, w_ref)}"
     # Training did something: the loss fell.
     assert h_ipu.history["loss"][-1] < h_ipu.history["loss"][0]
@@ -69,11 +68,11 @@ def test_adam_step_matches_cpu(strategy):
                      "sparse_categorical_crossentropy", 1)
     ref.train_on_batch(x, y)
     ipu.train_on_batch(x, y)
-    for w_ipu, w_ref, v in zip(ipu.get_weights(), ref.get_weights(), ref.weights):
+    for w_ipu, w_ref, v in zip(ipu.get_weights(), ref.get_weights(), ref.weights, strict=True):
         assert rel_l2(w_ipu, w_ref) <= 1e-4, f"{v.path}: rel L2 {rel_l2(w_ipu, w_ref)}"
     ref_opt = [np.asarray(v) for v in ref.optimizer.variables]
     ipu_opt = [np.asarray(v) for v in ipu.optimizer.variables]
-    for a, b in zip(ipu_opt, ref_opt):
+    for a, b in zip(ipu_opt, ref_opt, strict=True):
         assert rel_l2(a, b) <= 1e-4
 
 
@@ -138,7 +137,7 @@ def test_host_reads_and_writes_reach_the_device(strategy, tmp_path):
     model.set_weights(w)
     model.optimizer.learning_rate.assign(0.0)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    for a, b in zip(model.get_weights(), w):
+    for a, b in zip(model.get_weights(), w, strict=True):
         np.testing.assert_array_equal(a, b)  # lr 0: nothing moved
     # save_weights / load_weights round trip sees the device's last values.
     model.optimizer.learning_rate.assign(0.1)
@@ -166,7 +165,7 @@ def test_checkpoint_callback_sees_device_weights(strategy, tmp_path):
     keras.utils.set_random_seed(0)
     cpu = mlp()
     cpu.load_weights(path)
-    for a, b in zip(cpu.get_weights(), final):
+    for a, b in zip(cpu.get_weights(), final, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -211,4 +210,4 @@ def test_fault_injection_changes_losses(strategy):
         cfg.debug.fault_inject_opcode = ""
         cfg.configure_ipu_system()
     assert clean == losses()  # repeatable without the fault
-    assert all(abs(a - b) > 1e-6 * abs(b) for a, b in zip(faulty, clean)), (faulty, clean)
+    assert all(abs(a - b) > 1e-6 * abs(b) for a, b in zip(faulty, clean, strict=True)), (faulty, clean)

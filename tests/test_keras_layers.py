@@ -89,7 +89,7 @@ def test_layers_step_matches_cpu(ipu_system, case):
     l_ref = ref.train_on_batch(x, y, return_dict=True)
     l_ipu = ipu.train_on_batch(x, y, return_dict=True)
     assert l_ipu["loss"] == pytest.approx(l_ref["loss"], rel=1e-5)
-    for w_ipu, w_ref, v in zip(ipu.get_weights(), ref.get_weights(), ref.weights):
+    for w_ipu, w_ref, v in zip(ipu.get_weights(), ref.get_weights(), ref.weights, strict=True):
         assert rel_l2(w_ipu, w_ref) <= 1e-4, f"{case} {v.path}: {rel_l2(w_ipu, w_ref)}"
 
 

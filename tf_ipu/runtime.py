@@ -28,8 +28,8 @@ import numpy as np
 
 from device_server.protocol import ir_pb2
 from tf_ipu import errors
-from tf_ipu.config import IPU_VERSIONS
 from tf_ipu.client import DeviceClient, VariableRef
+from tf_ipu.config import IPU_VERSIONS
 
 _log = logging.getLogger("tf_ipu")
 _libc = ctypes.CDLL(None)
