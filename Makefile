@@ -28,7 +28,7 @@ venv: $(STAMP)
 
 protos: $(PROTO_OUT)
 
-%_pb2.py: protos/%.proto $(STAMP)
+$(PROTO_OUT): device_server/protocol/%_pb2.py: protos/device_server/protocol/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 ops: $(OPS_LIB)
