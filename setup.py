@@ -135,7 +135,7 @@ setup(
     package_dir={"tf_ipu_ops": "ops/python"},
     package_data={"device_server.protocol": ["*.pyi"]},
     install_requires=INSTALL_REQUIRES,
-    entry_points={"console_scripts": ["device_server = device_server.cli:main"]},
+    entry_points={"console_scripts": ["device_server = device_server.__main__:main"]},
     cmdclass={"build_py": BuildPy},
     distclass=BinaryDistribution,
     zip_safe=False,

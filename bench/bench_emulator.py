@@ -125,6 +125,7 @@ class EmulatorCase:
         t2 = time.perf_counter()
         self.lower_s, self.compile_s = t1 - t0, t2 - t1
         self.weights = model.get_weights()
+        self.num_results = lowered.num_results
         args: list[np.ndarray] = [np.asarray(STEPS, np.int32), self.x, self.y]
         vars_iter = iter(lowered.variables)
         consts_iter = iter(lowered.constants)
@@ -132,6 +133,11 @@ class EmulatorCase:
             t = next(vars_iter).read_value() if kind == "var" else next(consts_iter)
             args.append(np.asarray(t.numpy()))
         self.args = args
+        self.initial = list(args)
+
+    def first_results(self) -> list[np.ndarray]:
+        """The loop's results (the last step's logs) from the initial state."""
+        return self.exe.run(list(self.initial))[: self.num_results]
 
     def run(self) -> list[np.ndarray]:
         outs = self.exe.run(self.args)
@@ -161,6 +167,7 @@ class TFCase:
 
 
 def _best(fn: Callable[[], Any], calls: int, rounds: int) -> float:
+    time.sleep(0.05)  # let TF's thread pools stop spinning after the previous measurement
     fn()
     fn()
     best = float("inf")
@@ -172,10 +179,23 @@ def _best(fn: Callable[[], Any], calls: int, rounds: int) -> float:
     return best
 
 
+def _agreement(emu: EmulatorCase, tf_xla: TFCase) -> float:
+    """Largest relative difference of the logs of one 32-step call from the same state
+    (run before any timing, so both start from the initial weights)."""
+    got = emu.first_results()
+    want = [np.asarray(t) for t in tf.nest.flatten(tf_xla.run())]
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        worst = max(worst, float(np.max(np.abs(g64 - w64) / np.maximum(np.abs(w64), 1e-6))))
+    return worst
+
+
 def bench_model(name: str, quick: bool) -> dict[str, float]:
     emu = EmulatorCase(name)
     tf_graph = TFCase(name, emu.weights, jit=False)
     tf_xla = TFCase(name, emu.weights, jit=True)
+    agree = _agreement(emu, tf_xla)
     calls, rounds = (3, 3) if quick else (5, 5)
     t: dict[str, list[float]] = {"emu": [], "tf": [], "xla": []}
     for _ in range(2 if quick else 3):  # interleaved, so drift hits all three
@@ -187,9 +207,10 @@ def bench_model(name: str, quick: bool) -> dict[str, float]:
         f"{name} train loop of {STEPS} steps ({emu.exe.step_count} entry steps, "
         f"{emu.exe.instruction_count} live instrs; lower {emu.lower_s:.2f} s, compile "
         f"{emu.compile_s * 1e3:.0f} ms): emulator {e * 1e3:.2f} ms, TF graph {g * 1e3:.2f} ms, "
-        f"TF XLA {x * 1e3:.2f} ms; emulator/TF {e / g:.2f}x, emulator/XLA {e / x:.2f}x"
+        f"TF XLA {x * 1e3:.2f} ms; emulator/TF {e / g:.2f}x, emulator/XLA {e / x:.2f}x; "
+        f"logs vs XLA max rel diff {agree:.1e}"
     )
-    return {"emulator_s": e, "tf_s": g, "xla_s": x}
+    return {"emulator_s": e, "tf_s": g, "xla_s": x, "max_rel_diff": agree}
 
 
 def profile(name: str, calls: int = 20) -> None:

@@ -15,10 +15,13 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import bench_keras_step  # noqa: E402
+from bench import bench_keras_step, bench_server  # noqa: E402
 
 BENCHES = {
     "keras_step": bench_keras_step.main,
+    "estimate": lambda quick: __import__("bench.bench_estimate", fromlist=["main"]).main(quick),
+    "server": bench_server.main,
+    "emulator": lambda quick: __import__("bench.bench_emulator", fromlist=["main"]).main(quick),
 }
 
 

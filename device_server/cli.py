@@ -4,12 +4,18 @@
 
 Runs until SIGTERM/SIGINT, or until the ``--parent-pid`` process is gone (the embedded
 default, ``tf_ipu.local_server``, passes its own pid so that the server never outlives it).
-Does not import TensorFlow.
+Then it drains: new work is refused (UNAVAILABLE), calls in flight get ``--shutdown-grace``
+seconds, and the process exits 0. Does not import TensorFlow.
+
+Environment variables:
+    TF_IPU_SERVER_TOKEN   the token clients must present (unless --token-file is given).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import logging
 import os
 import signal
@@ -25,6 +31,8 @@ from device_server.service import ServiceConfig
 logger = logging.getLogger("device_server")
 
 PARENT_POLL_SECONDS = 1.0
+TOKEN_ENV = "TF_IPU_SERVER_TOKEN"
+_DEFAULTS = ServiceConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="tf_ipu device server: emulated Graphcore IPUs behind a gRPC service.",
     )
     p.add_argument("--host", default="127.0.0.1",
-                   help="interface to bind (default 127.0.0.1; the service has no authentication)")
+                   help="interface to bind (default 127.0.0.1, this machine only; on another "
+                        "interface use --token-file and --tls-cert/--tls-key)")
     p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default)")
     p.add_argument("--port-file", default="",
                    help="write the bound port to this file (atomically) once serving")
@@ -48,15 +57,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-inject", default="", metavar="OP",
                    help="perturb this opcode's results in every compiled program")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help=f"largest gRPC message either way (default {DEFAULT_MAX_MESSAGE_BYTES})")
-    p.add_argument("--lease-seconds", type=float, default=60.0,
-                   help="default session lease (default 60)")
-    p.add_argument("--cache-entries", type=int, default=128,
-                   help="executables kept in the server's cache (default 128)")
+                   help=f"largest gRPC message either way; a larger request gets "
+                        f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_MESSAGE_BYTES})")
+    p.add_argument("--lease-seconds", type=float, default=_DEFAULTS.lease_seconds,
+                   help="default session lease: a session not heard from for this long is "
+                        f"closed and its IPUs freed (default {_DEFAULTS.lease_seconds:g})")
+    p.add_argument("--cache-entries", type=int, default=_DEFAULTS.cache_entries,
+                   help=f"executables kept in the server's cache (default "
+                        f"{_DEFAULTS.cache_entries})")
+    p.add_argument("--max-session-bytes", type=int, default=_DEFAULTS.max_session_bytes,
+                   help="bytes of resident variables one session may hold, and the largest "
+                        "array a program may make; 0 for no limit (default "
+                        f"{_DEFAULTS.max_session_bytes})")
+    p.add_argument("--request-deadline", type=float, default=_DEFAULTS.request_deadline_seconds,
+                   help="longest a call may wait for its session's earlier call or for free "
+                        "IPUs, on top of the client's deadline; 0 for the client's only "
+                        f"(default {_DEFAULTS.request_deadline_seconds:g})")
+    p.add_argument("--max-waiting-calls", type=int, default=_DEFAULTS.max_waiting_calls,
+                   help="calls of one session that may queue behind its running call "
+                        f"(default {_DEFAULTS.max_waiting_calls})")
     p.add_argument("--workers", type=int, default=16, help="RPC worker threads (default 16)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, seconds the calls in flight get to finish "
+                        "(default 10)")
+    p.add_argument("--token-file", default="",
+                   help=f"file holding the token clients must present as 'authorization: "
+                        f"Bearer <token>' (default: ${TOKEN_ENV} if set, else no token)")
+    p.add_argument("--tls-cert", default="", help="PEM certificate chain: serve TLS only")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"],
                    help="logging level (default info)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text, or json: one JSON object a line, with one line per RPC "
+                        "(method, session, status, duration, bytes) (default text)")
     p.add_argument("--version", action="version", version=f"device_server {__version__}")
     return p
 
@@ -100,6 +134,65 @@ def process_alive(pid: int, was_parent: bool) -> bool:
         return True
 
 
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time, level, logger, message, and the fields of an RPC
+    record (``record.rpc``: method, session, status, duration_ms, bytes_in, bytes_out, ...)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        rpc = getattr(record, "rpc", None)
+        if isinstance(rpc, dict):
+            out.update(rpc)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str, log_format: str) -> None:
+    """Logs to stderr at ``level``. Per-RPC records (``device_server.rpc``) of calls that
+    went well show in json format, or in text format at ``debug``."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s device_server[%(process)d] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper()))
+    rpc = logging.getLogger("device_server.rpc")
+    if log_format == "text" and level != "debug":
+        rpc.setLevel(max(logging.WARNING, root.level))
+    else:
+        rpc.setLevel(logging.NOTSET)
+
+
+def read_token(path: str) -> str:
+    """The token of ``--token-file`` (surrounding whitespace stripped), else
+    ``$TF_IPU_SERVER_TOKEN``, else ""."""
+    if path:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"--token-file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip()
+
+
+def _read_bytes(path: str) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _watch_parent(pid: int, stop: threading.Event) -> None:
     was_parent = os.getppid() == pid
     while not stop.wait(PARENT_POLL_SECONDS):
@@ -119,11 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit code (0 on a clean shutdown, 2 for bad arguments).
     """
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s device_server[%(process)d] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level, args.log_format)
     if args.ipus < 1:
         print(f"device_server: --ipus must be >= 1. Received: {args.ipus}", file=sys.stderr)
         return 2
@@ -138,10 +227,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         refuse_opcodes=tuple(args.refuse_opcode),
         fault_inject_opcode=args.fault_inject,
         cache_entries=args.cache_entries,
+        max_session_bytes=args.max_session_bytes,
+        request_deadline_seconds=args.request_deadline,
+        max_waiting_calls=args.max_waiting_calls,
     )
     try:
-        handle = serve(port=args.port, host=args.host, config=config, max_workers=args.workers)
-    except (ValueError, RuntimeError) as e:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        handle = serve(
+            port=args.port, host=args.host, config=config, max_workers=args.workers,
+            token=read_token(args.token_file), tls_cert_chain=_read_bytes(args.tls_cert),
+            tls_private_key=_read_bytes(args.tls_key),
+        )
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"device_server: {e}", file=sys.stderr)
         return 2
 
@@ -161,5 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Wake up now and then so that signals are handled promptly on the main thread.
     while not stop.wait(0.5):
         pass
-    handle.stop(grace=1.0)
+    drained = handle.stop(grace=args.shutdown_grace)
+    if not drained:
+        # A program still runs in a worker thread (it cannot be interrupted); the
+        # interpreter would wait for it at exit.
+        logging.shutdown()
+        os._exit(0)
     return 0

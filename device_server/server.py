@@ -1,20 +1,29 @@
 """Builds and runs the device server's gRPC server.
 
-    client ==gRPC (max message lifted, 1 GiB by default)==> grpc.Server on host:port
-                                                             |- tf_ipu.device.DeviceService
-                                                             |- grpc.health.v1.Health (SERVING)
-                                                             '- server reflection
+    client ==gRPC (max message lifted, 1 GiB by default; TLS if a cert is given)==>
+        grpc.Server on host:port
+          [token check: "authorization: Bearer <token>" metadata, if a token is set]
+           |- tf_ipu.device.DeviceService
+           |- grpc.health.v1.Health (SERVING; NOT_SERVING while shutting down; no token needed)
+           '- server reflection
 
 ``serve()`` starts serving and returns a ``ServerHandle`` (bound port, ``stop(grace)``). It
-binds 127.0.0.1 by default: the service has no authentication, so exposing it on another
-interface is an explicit choice. ``cli.py`` is the command line around it.
+binds 127.0.0.1 by default; exposing it on another interface is an explicit choice, best
+made with a token (``token``) and TLS (``tls_cert_chain``/``tls_private_key``). A missing
+or wrong token gets UNAUTHENTICATED. ``ServerHandle.stop`` drains: new work is refused with
+UNAVAILABLE, calls in flight get a grace period, then the server stops. ``cli.py`` is the
+command line around it.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
+import time
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _GRPC_INT_MAX = (1 << 31) - 1
+TOKEN_METADATA = "authorization"
+_FLUSH_SECONDS = 2.0
+_HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
 
 
 def grpc_message_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -64,13 +76,27 @@ class ServerHandle:
         """``host:port`` to give to a client."""
         return format_address(self.host, self.port)
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        """Stops serving: health goes NOT_SERVING, in-flight calls get ``grace`` seconds,
-        then every session is closed."""
+    def stop(self, grace: float | None = 1.0) -> bool:
+        """Stops serving, in order: new work is refused (UNAVAILABLE, "shutting down") and
+        health goes NOT_SERVING; calls in flight get up to ``grace`` seconds to finish; then
+        the server stops (cancelling calls still running) and every session is closed.
+
+        Returns:
+            True if every call in flight finished within the grace period.
+        """
+        start = time.monotonic()
+        self.service.begin_shutdown()
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        drained = self.service.wait_idle(grace or 0.0)
+        if not drained:
+            logger.warning("%d calls still running after the %.1f s grace period; cancelling "
+                           "them", self.service.in_flight, grace or 0.0)
+        # Handlers that returned may still be sending their replies: a moment for those.
+        self.server.stop(_FLUSH_SECONDS if drained else 0).wait()
         self.service.stop()
-        logger.info("device server on %s stopped", self.address)
+        logger.info("device server on %s stopped in %.2f s", self.address,
+                    time.monotonic() - start)
+        return drained
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops or ``timeout`` passes; True if it stopped."""
@@ -80,11 +106,76 @@ class ServerHandle:
         return f"ServerHandle(address={self.address!r}, service={self.service!r})"
 
 
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Lets a call through only with ``authorization: Bearer <token>`` metadata (compared in
+    constant time); the health service is exempt, so probes need no secret. Refused calls
+    get UNAUTHENTICATED and are counted and logged by the service like any other error.
+
+    Args:
+        token: the expected token (non-empty).
+        service: the servicer, for counters and the RPC log.
+    """
+
+    def __init__(self, token: str, service: DeviceService) -> None:
+        if not token:
+            raise ValueError("TokenInterceptor needs a non-empty token.")
+        self._expected = token.encode()
+        self._service = service
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        method = details.method or ""
+        if method.startswith(_HEALTH_PREFIX):
+            return continuation(details)
+        presented = ""
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA:
+                presented = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        scheme, _, token = presented.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None  # unknown method: gRPC answers UNIMPLEMENTED
+        why = "carries no token" if not presented else "carries a token this server does not accept"
+        message = (f"{method}: the call {why}; this device server wants "
+                   f"'{TOKEN_METADATA}: Bearer <token>' metadata (IPUConfig.server_token or "
+                   f"TF_IPU_SERVER_TOKEN on the client).")
+        name = method.rsplit("/", 1)[-1]
+        service = self._service
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+            service.count_error(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated")
+            service.log_rpc(name, "", "UNAUTHENTICATED", 0.0, 0, 0, context,
+                            kind="unauthenticated", message=message)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def serve(
     port: int = 0,
     host: str = "127.0.0.1",
     config: ServiceConfig | None = None,
     max_workers: int = 16,
+    token: str = "",
+    tls_cert_chain: bytes | None = None,
+    tls_private_key: bytes | None = None,
 ) -> ServerHandle:
     """Starts a device server and returns once it is serving.
 
@@ -94,12 +185,16 @@ def serve(
             other machines.
         config: what the server hosts; ``ServiceConfig()`` by default (1 IPU, ipu2).
         max_workers: threads serving RPCs (calls of different sessions run concurrently).
+        token: if set, every call but health checks must carry
+            ``authorization: Bearer <token>`` metadata (UNAUTHENTICATED otherwise).
+        tls_cert_chain, tls_private_key: PEM bytes; given both, the server speaks TLS only.
 
     Returns:
         A ``ServerHandle``.
 
     Raises:
-        ValueError: unknown ``config.ipu_version`` or bad numbers.
+        ValueError: unknown ``config.ipu_version``, bad numbers, or only one of the TLS
+            cert and key.
         RuntimeError: the address could not be bound.
 
     Example:
@@ -108,11 +203,14 @@ def serve(
         >>> handle.stop()
     """
     config = config or ServiceConfig()
+    if (tls_cert_chain is None) != (tls_private_key is None):
+        raise ValueError("TLS needs both a certificate chain and a private key; received one.")
     service = DeviceService(config)
     options = grpc_message_options(config.max_message_bytes) + [("grpc.so_reuseport", 0)]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="device-rpc"),
         options=options,
+        interceptors=[TokenInterceptor(token, service)] if token else None,
     )
     server.add_generic_rpc_handlers((service.generic_handler(),))
     health_servicer = health.HealthServicer(
@@ -123,8 +221,13 @@ def serve(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    address = format_address(host, port)
     try:
-        bound = server.add_insecure_port(format_address(host, port))
+        if tls_cert_chain is not None:
+            credentials = grpc.ssl_server_credentials([(tls_private_key, tls_cert_chain)])
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
     except RuntimeError as e:
         raise RuntimeError(f"Could not bind the device server to {format_address(host, port)}: {e}") from e
     if bound == 0:
@@ -135,8 +238,14 @@ def serve(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     handle = ServerHandle(server, service, health_servicer, host, bound)
     logger.info(
-        "device server serving on %s: %d x %s, max message %d bytes, lease %.1f s",
-        handle.address, config.num_ipus, service.default_ipu_version, config.max_message_bytes,
-        config.lease_seconds,
+        "device server serving on %s (%s, %s): %d x %s, max message %d bytes, lease %.1f s, "
+        "max %d bytes per session, request deadline %g s, %d cached executables",
+        handle.address, "TLS" if tls_cert_chain is not None else "plaintext",
+        "token required" if token else "no token", config.num_ipus,
+        service.default_ipu_version, config.max_message_bytes, config.lease_seconds,
+        config.max_session_bytes, config.request_deadline_seconds, config.cache_entries,
     )
+    if not is_loopback(host) and not token:
+        logger.warning("serving on %s without a token: anyone who reaches this address can "
+                       "use the IPUs (see --token-file)", handle.address)
     return handle

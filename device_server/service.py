@@ -9,17 +9,28 @@ Every handler runs inside ``_rpc``: a ``ServiceError`` becomes its gRPC status, 
 exception becomes INTERNAL with the exception's text, and the server keeps serving. Requests
 that do not even decode are refused as INVALID_ARGUMENT (the request deserializer never
 raises). Refinements of a status (``out-of-memory`` vs ``no-free-ipus``) travel as trailing
-metadata ``tf-ipu-error-kind``. Nothing from the wire is pickled or evaluated: arrays are raw
-bytes plus dtype and dims (``device_server.protocol.dtypes``).
+metadata ``tf-ipu-error-kind`` and are counted by kind. Nothing from the wire is pickled or
+evaluated: arrays are raw bytes plus dtype and dims (``device_server.protocol.dtypes``).
+
+Limits (``ServiceConfig``, each a command line flag): message size either way, executables
+cached, bytes of resident variables per session (which also bounds the largest array a
+program may produce), how long a call may wait (request deadline), calls queued per session.
+While the server shuts down (``begin_shutdown``) new work is refused with UNAVAILABLE and
+calls already running finish. Each RPC ends with one log record on ``device_server.rpc``
+(method, session, status, duration, bytes), which ``--log-format json`` prints as one JSON
+line. Not ready: a running program cannot be interrupted (a ``while`` that never ends holds
+its session and a worker thread until the server stops).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +59,7 @@ from device_server.sessions import (
 )
 
 logger = logging.getLogger(__name__)
+rpc_logger = logging.getLogger("device_server.rpc")
 
 SERVICE_NAME = device_pb2.DESCRIPTOR.services_by_name["DeviceService"].full_name
 ERROR_KIND_METADATA = "tf-ipu-error-kind"
@@ -56,6 +68,15 @@ _MAX_DETAILS_CHARS = 2000
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+#: Calls still served while the server shuts down (they start no new work).
+_ALLOWED_WHILE_DRAINING = frozenset(
+    {"CloseSession", "Heartbeat", "DetachIpus", "ReadVariables", "GetCounters"}
+)
+#: Upper bounds (seconds) of the Execute latency histogram.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                   5.0, 10.0, 30.0)
 
 
 @dataclass
@@ -72,16 +93,22 @@ class ServiceConfig:
             over the request's).
         cache_entries: bound of the executable cache.
         max_waiting_calls: calls of one session that may queue behind the running one.
+        max_session_bytes: bytes of resident variables one session may hold, and the
+            largest array a program may produce (0: no limit).
+        request_deadline_seconds: longest a call may wait (for its session's earlier call,
+            for free IPUs) on top of the client's own deadline (0: the client's only).
     """
 
     num_ipus: int = 1
     ipu_version: str = "ipu2"
-    lease_seconds: float = 60.0
+    lease_seconds: float = 5.0
     max_message_bytes: int = 1 << 30
     refuse_opcodes: tuple[str, ...] = ()
     fault_inject_opcode: str = ""
     cache_entries: int = 128
     max_waiting_calls: int = 8
+    max_session_bytes: int = 4 << 30
+    request_deadline_seconds: float = 600.0
 
 
 @dataclass
@@ -100,6 +127,46 @@ class Counters:
             return dict(self.values)
 
 
+class LatencyStats:
+    """Durations of one kind of call: a cumulative histogram (``LATENCY_BUCKETS``) and the
+    last ``window`` values, from which quantiles (p50, p99) are read."""
+
+    def __init__(self, window: int = 4096) -> None:
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
+        self.count = 0
+        self.total_seconds = 0.0
+        self._recent: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            self.count += 1
+            self.total_seconds += seconds
+            self._recent.append(seconds)
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile (0..1) of the recent window; 0.0 before any call."""
+        with self._lock:
+            values = sorted(self._recent)
+        if not values:
+            return 0.0
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    def snapshot(self) -> tuple[list[int], int, float]:
+        """(per-bucket counts, count, sum of seconds)."""
+        with self._lock:
+            return list(self.buckets), self.count, self.total_seconds
+
+
+@dataclass
+class _Request:
+    """A decoded request and its size on the wire."""
+
+    message: Any
+    nbytes: int
+
+
 @dataclass
 class _Undecodable:
     """Stands in for a request that failed to decode, so the handler can refuse it."""
@@ -107,6 +174,13 @@ class _Undecodable:
     type_name: str
     nbytes: int
     error: str
+
+
+class _CallState(threading.local):
+    """The RPC this worker thread is serving: its context and absolute deadline."""
+
+    context: Any = None
+    deadline: float | None = None  # time.monotonic() value
 
 
 _COUNTER_HELP = {
@@ -120,6 +194,7 @@ _COUNTER_HELP = {
     "bytes_in": "Request bytes received.",
     "bytes_out": "Reply bytes sent.",
     "errors": "RPCs that ended with an error status.",
+    "error_kinds": "RPCs that ended with an error status, by kind.",
 }
 
 
@@ -152,7 +227,12 @@ class DeviceService:
             on_close=self._on_session_closed,
         )
         self.cache = ExecutableCache(config.cache_entries)
+        self.execute_latency = LatencyStats()
         self._server_refuse = frozenset(config.refuse_opcodes)
+        self._call = _CallState()
+        self._in_flight = 0
+        self._idle = threading.Condition(threading.Lock())
+        self._shutting_down = False
 
     def __repr__(self) -> str:
         return (
@@ -193,13 +273,46 @@ class DeviceService:
 
     def stop(self) -> None:
         """Stops the reaper and closes all sessions."""
+        self.begin_shutdown()
         self.sessions.stop()
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """From now on, calls that would start new work get UNAVAILABLE; calls waiting for
+        IPUs give up. Calls already running go on (see ``wait_idle``)."""
+        self._shutting_down = True
+        self.pool.close()
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    @property
+    def in_flight(self) -> int:
+        """RPCs being served right now."""
+        with self._idle:
+            return self._in_flight
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the RPCs in flight to finish; True if none is
+        left."""
+        end = time.monotonic() + max(0.0, timeout)
+        with self._idle:
+            while self._in_flight:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+            return True
+
+    # -- the RPC wrapper ----------------------------------------------------------------
 
     def _decoder(self, cls: type) -> Callable[[bytes], Any]:
         def decode(raw: bytes) -> Any:
             self.counters.add("bytes_in", len(raw))
             try:
-                return cls.FromString(raw)
+                return _Request(cls.FromString(raw), len(raw))
             except Exception as e:  # DecodeError, recursion limit, ...
                 return _Undecodable(cls.__name__, len(raw), f"{type(e).__name__}: {e}")
 
@@ -213,46 +326,147 @@ class DeviceService:
     def _rpc(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
             start = time.perf_counter()
+            with self._idle:
+                self._in_flight += 1
             self.counters.add(f"rpcs.{name}")
-            session_id = getattr(request, "session_id", "")
+            message = getattr(request, "message", None)
+            session_id = str(getattr(message, "session_id", ""))
+            remaining = context.time_remaining()
+            limit = self.config.request_deadline_seconds
+            if limit > 0:
+                remaining = limit if remaining is None else min(remaining, limit)
+            self._call.context = context
+            self._call.deadline = None if remaining is None else time.monotonic() + remaining
+            reply, out_bytes = None, 0
             try:
                 if isinstance(request, _Undecodable):
                     raise ServiceError(
                         _INVALID,
                         f"{name}: the request ({request.nbytes} bytes) is not a valid "
                         f"{request.type_name}: {request.error}",
+                        kind="undecodable-request",
                     )
-                reply = fn(request)
+                if self._shutting_down and name not in _ALLOWED_WHILE_DRAINING:
+                    raise ServiceError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{name}: the device server is shutting down and accepts no new work; "
+                        f"retry once it is back.",
+                        kind="shutting-down",
+                    )
+                reply = fn(message)
+                out_bytes = reply.ByteSize()
+                max_bytes = self.config.max_message_bytes
+                if 0 < max_bytes < out_bytes:
+                    raise ServiceError(
+                        _EXHAUSTED,
+                        f"{name}: the reply would be {out_bytes} bytes, more than the server's "
+                        f"message limit of {max_bytes} bytes (--max-message-bytes).",
+                        kind="message-too-large",
+                    )
+                error, exc_info = None, False
             except ServiceError as e:
-                error = e
+                error, exc_info = e, False
             except Exception as e:
-                logger.warning("%s session=%s failed inside the server", name, session_id,
-                               exc_info=True)
-                error = ServiceError(
+                error, exc_info = ServiceError(
                     grpc.StatusCode.INTERNAL,
                     f"{name} failed inside the device server: {type(e).__name__}: {e}",
-                )
-            else:
-                logger.debug("%s session=%s ok in %.2f ms", name, session_id,
-                             (time.perf_counter() - start) * 1e3)
+                    kind="internal",
+                ), True
+            finally:
+                self._call.context = None
+                self._call.deadline = None
+                with self._idle:
+                    self._in_flight -= 1
+                    if not self._in_flight:
+                        self._idle.notify_all()
+            seconds = time.perf_counter() - start
+            if error is None:
+                if name == "Execute":
+                    self.execute_latency.observe(seconds)
+                self.log_rpc(name, session_id, "OK", seconds, request.nbytes, out_bytes, context)
                 return reply
-            self.counters.add("errors")
-            self.counters.add(f"errors.{error.code.name}")
-            message = error.message
-            if len(message) > _MAX_DETAILS_CHARS:
-                message = message[:_MAX_DETAILS_CHARS] + f"... ({len(error.message)} chars)"
-            logger.warning("%s session=%s -> %s: %s", name, session_id, error.code.name, message)
+            text = error.message
+            if len(text) > _MAX_DETAILS_CHARS:
+                text = text[:_MAX_DETAILS_CHARS] + f"... ({len(error.message)} chars)"
+            self.count_error(error.code, error.kind)
+            self.log_rpc(name, session_id, error.code.name, seconds, request.nbytes, 0, context,
+                         kind=error.kind, message=text, exc_info=exc_info)
             if error.kind:
                 context.set_trailing_metadata(((ERROR_KIND_METADATA, error.kind),))
-            context.abort(error.code, message)
+            context.abort(error.code, text)
 
         return handle
+
+    def count_error(self, code: grpc.StatusCode, kind: str = "") -> None:
+        """Counts an RPC that ended with ``code`` (by code, and by kind: the error's own, or
+        the code's name, e.g. ``invalid-argument``)."""
+        self.counters.add("errors")
+        self.counters.add(f"errors.{code.name}")
+        self.counters.add(f"error_kinds.{kind or code.name.lower().replace('_', '-')}")
+
+    def log_rpc(
+        self,
+        method: str,
+        session_id: str,
+        status: str,
+        seconds: float,
+        bytes_in: int,
+        bytes_out: int,
+        context: Any = None,
+        kind: str = "",
+        message: str = "",
+        exc_info: bool = False,
+    ) -> None:
+        """Writes the one log record of an RPC to ``device_server.rpc``: INFO if it went
+        well, WARNING for an error, ERROR with the traceback for a fault inside the server.
+        The fields travel as ``record.rpc`` (``--log-format json`` prints them). Sessions are
+        shown by the first 8 characters of their id, here and in every log line of the
+        server: the whole id is a credential."""
+        level = logging.INFO if status == "OK" else logging.ERROR if exc_info else logging.WARNING
+        if not rpc_logger.isEnabledFor(level):
+            return
+        fields: dict[str, Any] = {
+            "method": method,
+            "session": session_id[:8],
+            "status": status,
+            "duration_ms": round(seconds * 1e3, 3),
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+        }
+        if context is not None:
+            try:
+                fields["peer"] = context.peer()
+            except Exception:  # no peer once the connection is gone
+                pass
+        if kind:
+            fields["kind"] = kind
+        if message and len(session_id) > 8:
+            message = message.replace(session_id, session_id[:8])
+        if message:
+            fields["message"] = message
+        text = (f"{method} session={fields['session'] or '-'} -> {status} in "
+                f"{fields['duration_ms']:.2f} ms ({bytes_in} B in, {bytes_out} B out)")
+        if message:
+            text += f": {message}"
+        rpc_logger.log(level, "%s", text, exc_info=exc_info, extra={"rpc": fields})
+
+    def _remaining(self) -> float | None:
+        """Seconds left before this call's deadline (the client's or the server's), or None."""
+        deadline = self._call.deadline
+        return None if deadline is None else deadline - time.monotonic()
+
+    def _client_waiting(self) -> bool:
+        """Whether the client of this call still waits for its answer."""
+        context = self._call.context
+        return context is None or context.is_active()
 
     def _on_session_closed(self, session: Session, reason: str) -> None:
         self.counters.add("sessions_expired" if reason == "expired" else "sessions_closed")
 
     def _enter(self, session_id: str) -> Any:
-        return self.sessions.get(session_id).enter(self.sessions.max_waiting_calls)
+        return self.sessions.get(session_id).enter(
+            self.sessions.max_waiting_calls, timeout=self._remaining()
+        )
 
     # -- sessions and IPUs --------------------------------------------------------------
 
@@ -267,6 +481,7 @@ class DeviceService:
             free_ipus=self.pool.free,
             max_message_bytes=self.config.max_message_bytes,
             lease_seconds=session.lease_seconds,
+            max_session_bytes=self.config.max_session_bytes,
         )
 
     def close_session(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
@@ -291,6 +506,11 @@ class DeviceService:
                     f"tiles_per_ipu must be >= 0 (0 = the version's full count). "
                     f"Received: {request.tiles_per_ipu}",
                 )
+            wait = request.wait_seconds
+            if not wait >= 0:  # negative or NaN
+                raise ServiceError(
+                    _INVALID, f"wait_seconds must be >= 0. Received: {request.wait_seconds}"
+                )
             version = request.ipu_version or self.default_ipu_version
             try:
                 target = get_target(version, tiles_per_ipu=request.tiles_per_ipu)
@@ -300,11 +520,15 @@ class DeviceService:
                     f"AttachIpus: no target for ipu_version={version!r}, "
                     f"tiles_per_ipu={request.tiles_per_ipu}: {e}",
                 ) from None
-            ids = self.pool.allocate(request.num_ipus, s.session_id)
+            remaining = self._remaining()
+            if remaining is not None:
+                wait = min(wait, max(0.0, remaining - 0.05))  # answer before the deadline
+            ids = self.pool.allocate(request.num_ipus, s.session_id, wait_seconds=wait,
+                                     still_wanted=self._client_waiting)
             s.ipu_ids = ids
             s.target = target
             s.ipu_version, s.tiles_per_ipu = _describe_target(target, version)
-            logger.info("session %s attached IPUs %s (%s, %d tiles each)", s.session_id, ids,
+            logger.info("session %s attached IPUs %s (%s, %d tiles each)", s.short_id, ids,
                         s.ipu_version, s.tiles_per_ipu)
             return device_pb2.AttachIpusReply(
                 ipu_ids=ids, ipu_version=s.ipu_version, tiles_per_ipu=s.tiles_per_ipu
@@ -337,6 +561,7 @@ class DeviceService:
 
             def build() -> Any:
                 self.counters.add("compiles")
+                _check_array_sizes(module, self.config.max_session_bytes)
                 try:
                     return compile_module(module, target, options)
                 except Exception as e:
@@ -356,8 +581,8 @@ class DeviceService:
                 s.handle_by_key[key] = handle_id
                 s.executables[handle_id] = ExecutableHandle(handle_id, key, exe)
             logger.info(
-                "session %s compiled %r -> %s (%s, %.3f s)", s.session_id, module.name,
-                handle_id, "cache hit" if lookup.hit else "compiled", lookup.compile_seconds,
+                "session %s compiled %r -> %s (%s, %.3f s)", s.short_id, module.name,
+                handle_id[:8], "cache hit" if lookup.hit else "compiled", lookup.compile_seconds,
             )
             return device_pb2.CompileReply(
                 executable_id=handle_id,
@@ -381,6 +606,22 @@ class DeviceService:
                 if not named.key:
                     raise ServiceError(_INVALID, f"WriteVariables: variable #{i} has an empty key.")
                 decoded[named.key] = _decode(named.tensor, f"WriteVariables: variable {named.key!r}")
+            limit = self.config.max_session_bytes
+            if limit > 0:
+                held = s.variable_bytes()
+                after = held + sum(
+                    v.nbytes - (s.variables[k].nbytes if k in s.variables else 0)
+                    for k, v in decoded.items()
+                )
+                if after > limit:
+                    raise ServiceError(
+                        _EXHAUSTED,
+                        f"WriteVariables: session {s.session_id} would hold {after} bytes of "
+                        f"resident variables, over the server's limit of {limit} bytes per "
+                        f"session (--max-session-bytes); it holds {held} bytes in "
+                        f"{len(s.variables)} variables now.",
+                        kind="session-memory",
+                    )
             s.variables.update(decoded)  # all or nothing
         return device_pb2.Empty()
 
@@ -394,6 +635,7 @@ class DeviceService:
                         _NOT_FOUND,
                         f"ReadVariables: session {s.session_id} has no variable {key!r} "
                         f"({len(s.variables)} variables resident).",
+                        kind="unknown-variable",
                     )
                 _fill_tensor(reply.variables.add(key=key).tensor, value)
             return reply
@@ -414,6 +656,7 @@ class DeviceService:
                     _NOT_FOUND,
                     f"Execute: session {s.session_id} has no executable {shown!r} "
                     f"(handles are valid only in the session that compiled them).",
+                    kind="unknown-executable",
                 )
             exe = handle.executable
             what = f"Execute of executable {handle.handle_id}"
@@ -439,6 +682,7 @@ class DeviceService:
                             _NOT_FOUND,
                             f"{what}: parameter {number} is bound to variable {key!r}, which "
                             f"session {s.session_id} does not have.",
+                            kind="unknown-variable",
                         )
                     variable_of[number] = key
                     received = f"variable {key!r} of {_spec(value.dtype, value.shape)}"
@@ -466,6 +710,44 @@ class DeviceService:
                         f"{what}: variable {key!r} is bound to more than one updated parameter.",
                     )
                 updates[out_index] = key
+
+            est = exe.estimate
+            if not est.fits:
+                raise ServiceError(
+                    _EXHAUSTED,
+                    f"{what}: program {exe.name!r} does not fit in tile memory "
+                    f"({est.peak_tile_bytes} bytes on the fullest tile, tiles have "
+                    f"{est.tile_bytes_limit}); it was compiled with allow_out_of_memory for "
+                    f"its report and cannot run.",
+                    kind="out-of-memory",
+                )
+            max_bytes = self.config.max_message_bytes
+            if max_bytes > 0:
+                reply_bytes = sum(
+                    int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                    for i, (dt, shape) in enumerate(exe.outputs)
+                    if request.return_updated_variables or i not in updates
+                )
+                if reply_bytes > max_bytes:
+                    raise ServiceError(
+                        _EXHAUSTED,
+                        f"{what}: its outputs are {reply_bytes} bytes, more than the server's "
+                        f"message limit of {max_bytes} bytes (--max-message-bytes); not run.",
+                        kind="message-too-large",
+                    )
+            remaining = self._remaining()
+            if remaining is not None and remaining <= 0:
+                raise ServiceError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{what}: the call's deadline passed while it waited; not run.",
+                    kind="deadline",
+                )
+            if not self._client_waiting():
+                raise ServiceError(
+                    grpc.StatusCode.CANCELLED,
+                    f"{what}: the client went away before it ran; not run.",
+                    kind="cancelled",
+                )
 
             start = time.perf_counter()
             try:
@@ -504,25 +786,34 @@ class DeviceService:
         values["ipus_free"] = self.pool.free
         values["executables_cached"] = len(self.cache)
         values["cache_evictions"] = self.cache.evictions
+        values["rpcs_in_flight"] = self.in_flight
+        _, count, _ = self.execute_latency.snapshot()
+        values["execute_latency_count"] = count
+        values["execute_latency_p50_us"] = round(self.execute_latency.quantile(0.5) * 1e6)
+        values["execute_latency_p99_us"] = round(self.execute_latency.quantile(0.99) * 1e6)
         return values
 
     def get_counters(self, request: device_pb2.Empty) -> device_pb2.CountersReply:
         values = self.counter_values()
-        return device_pb2.CountersReply(counters=values, prometheus_text=prometheus_text(values))
+        return device_pb2.CountersReply(
+            counters=values, prometheus_text=prometheus_text(values, self.execute_latency)
+        )
 
 
-def prometheus_text(values: dict[str, int]) -> str:
-    """Renders ``DeviceService.counter_values()`` in the Prometheus text exposition format."""
+def prometheus_text(values: dict[str, int], latency: LatencyStats | None = None) -> str:
+    """Renders ``DeviceService.counter_values()`` (and the Execute latencies) in the
+    Prometheus text exposition format."""
     lines: list[str] = []
     prefix = "tf_ipu_device_"
     for name, help_text in _COUNTER_HELP.items():
-        if name == "errors":
+        if name in ("errors", "error_kinds"):
             continue
         metric = f"{prefix}{name}_total"
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter",
                   f"{metric} {values.get(name, 0)}"]
     for family, label, help_text in (
         ("errors", "code", _COUNTER_HELP["errors"]),
+        ("error_kinds", "kind", _COUNTER_HELP["errors"]),
         ("rpcs", "method", "RPCs received."),
     ):
         metric = f"{prefix}{family}_total"
@@ -535,6 +826,7 @@ def prometheus_text(values: dict[str, int]) -> str:
         ("ipus_total", "IPUs hosted."),
         ("ipus_free", "IPUs not attached to a session."),
         ("executables_cached", "Executables in the server's cache."),
+        ("rpcs_in_flight", "RPCs being served."),
     ):
         metric = f"{prefix}{name}"
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge",
@@ -542,6 +834,22 @@ def prometheus_text(values: dict[str, int]) -> str:
     lines += [f"# HELP {prefix}cache_evictions_total Executables evicted from the cache.",
               f"# TYPE {prefix}cache_evictions_total counter",
               f"{prefix}cache_evictions_total {values.get('cache_evictions', 0)}"]
+    if latency is not None:
+        buckets, count, total = latency.snapshot()
+        metric = f"{prefix}execute_seconds"
+        lines += [f"# HELP {metric} Wall time of successful Execute calls in the server.",
+                  f"# TYPE {metric} histogram"]
+        running = 0
+        for bound, n in zip((*LATENCY_BUCKETS, "+Inf"), buckets, strict=True):
+            running += n
+            lines.append(f'{metric}_bucket{{le="{bound}"}} {running}')
+        lines += [f"{metric}_sum {total:.6f}", f"{metric}_count {count}"]
+        metric = f"{prefix}execute_recent_seconds"
+        lines += [f"# HELP {metric} Quantiles of the wall time of the last Execute calls.",
+                  f"# TYPE {metric} summary"]
+        for q in (0.5, 0.9, 0.99):
+            lines.append(f'{metric}{{quantile="{q}"}} {latency.quantile(q):.6f}')
+        lines += [f"{metric}_sum {total:.6f}", f"{metric}_count {count}"]
     return "\n".join(lines) + "\n"
 
 
@@ -597,6 +905,47 @@ def _estimate(est: Any) -> device_pb2.Estimate:
         fits=bool(est.fits),
         json=report,
     )
+
+
+def _check_array_sizes(module: ir_pb2.Module, limit: int) -> None:
+    """Refuses a module with an array larger than ``limit`` bytes (0: no limit) before the
+    emulator sees it: constant folding at compile time would allocate it."""
+    if limit <= 0:
+        return
+
+    def nbytes(shape: ir_pb2.Shape, depth: int = 0) -> int:
+        if shape.is_tuple:
+            if depth > 64:
+                raise ServiceError(_INVALID, f"Compile of module {module.name!r}: tuple shapes "
+                                   f"nested deeper than 64.", kind="invalid-program")
+            return max((nbytes(t, depth + 1) for t in shape.tuple_shapes), default=0)
+        if shape.dtype == ir_pb2.TOKEN:
+            return 0
+        try:
+            itemsize = dtypes.to_numpy(shape.dtype).itemsize
+        except ValueError:
+            return 0  # the emulator names the bad dtype
+        dims = list(shape.dims)
+        if not dims or 0 in dims or min(dims) < 0:
+            return itemsize if not dims else 0  # empty, or a bad dimension the emulator names
+        count = 1
+        for d in dims:
+            count *= d
+            if count > limit:  # stop before the product grows without bound
+                break
+        return count * itemsize
+
+    for comp in module.computations:
+        for instr in comp.instructions:
+            size = nbytes(instr.shape)
+            if size > limit:
+                raise ServiceError(
+                    _EXHAUSTED,
+                    f"Compile of module {module.name!r}: instruction {instr.name!r} "
+                    f"({instr.opcode}) makes an array of {size} bytes, more than the server "
+                    f"allows one session ({limit} bytes, --max-session-bytes).",
+                    kind="out-of-memory",
+                )
 
 
 def _compile_error(error: Exception, module_name: str) -> Exception:

@@ -3,7 +3,9 @@
 A session is the unit of isolation: it owns the IPUs attached to it (exclusively), the
 architecture it compiles for, its device-resident variables and its executable handles. A
 session lives while its client keeps its lease alive (any call or a Heartbeat); a reaper
-thread closes sessions whose lease has run out and frees their IPUs.
+thread closes sessions whose lease has run out and frees their IPUs. AttachIpus may wait,
+within a bound, for IPUs to be freed (not first come, first served: a request that fits the
+free IPUs goes ahead of one waiting for more).
 
 Calls of one session are serialized by the session's lock (``Session.enter``); calls of
 different sessions run concurrently. Heartbeats never wait for that lock.
@@ -62,48 +64,86 @@ class IpuPool:
             raise ValueError(f"A device server needs at least one IPU. Received: num_ipus={num_ipus}")
         self.num_ipus = num_ipus
         self._owner: dict[int, str] = {}
-        self._lock = threading.Lock()
+        self._changed = threading.Condition(threading.Lock())
+        self._closed = False
 
     @property
     def free(self) -> int:
         """How many IPUs are not attached to any session."""
-        with self._lock:
+        with self._changed:
             return self.num_ipus - len(self._owner)
 
-    def allocate(self, count: int, session_id: str) -> list[int]:
-        """Attaches ``count`` free IPUs to ``session_id``.
+    def allocate(
+        self,
+        count: int,
+        session_id: str,
+        wait_seconds: float = 0.0,
+        still_wanted: Callable[[], bool] | None = None,
+    ) -> list[int]:
+        """Attaches ``count`` free IPUs to ``session_id``, waiting for them if asked.
+
+        Args:
+            count: how many IPUs.
+            session_id: the owner.
+            wait_seconds: how long to wait for enough IPUs to become free (0: not at all).
+            still_wanted: polled while waiting; returning False ends the wait (the caller
+                went away).
 
         Returns:
             The ids of the IPUs, ascending.
 
         Raises:
-            ServiceError: INVALID_ARGUMENT for ``count < 1``; RESOURCE_EXHAUSTED naming the
-                requested and free counts when there are not enough free IPUs.
+            ServiceError: INVALID_ARGUMENT for ``count < 1`` or ``count`` above what the
+                server hosts; RESOURCE_EXHAUSTED naming the requested and free counts when
+                not enough IPUs were free in time; UNAVAILABLE if the server shuts down.
         """
         if count < 1:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"AttachIpus needs num_ipus >= 1. Received: num_ipus={count}",
             )
-        with self._lock:
-            free = [i for i in range(self.num_ipus) if i not in self._owner]
-            if count > len(free):
-                raise ServiceError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Not enough free IPUs: requested {count}, free {len(free)} "
-                    f"of {self.num_ipus} on this server.",
-                    kind="no-free-ipus",
-                )
-            ids = free[:count]
-            for i in ids:
-                self._owner[i] = session_id
-            return ids
+        start = time.monotonic()
+        end = start + max(0.0, wait_seconds)
+        with self._changed:
+            while True:
+                if self._closed:
+                    raise ServiceError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "The device server is shutting down; no IPUs are handed out.",
+                        kind="shutting-down",
+                    )
+                free = [i for i in range(self.num_ipus) if i not in self._owner]
+                if count <= len(free):
+                    ids = free[:count]
+                    for i in ids:
+                        self._owner[i] = session_id
+                    return ids
+                remaining = end - time.monotonic()
+                if (count > self.num_ipus or remaining <= 0
+                        or (still_wanted is not None and not still_wanted())):
+                    waited = time.monotonic() - start
+                    raise ServiceError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"Not enough free IPUs: requested {count}, free {len(free)} "
+                        f"of {self.num_ipus} on this server"
+                        + (f" (after waiting {waited:.1f} s)" if wait_seconds > 0 else "")
+                        + ".",
+                        kind="no-free-ipus",
+                    )
+                self._changed.wait(min(remaining, 0.25))
 
     def release(self, ids: list[int]) -> None:
-        """Returns IPUs to the pool."""
-        with self._lock:
+        """Returns IPUs to the pool (and wakes calls waiting for them)."""
+        with self._changed:
             for i in ids:
                 self._owner.pop(i, None)
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Ends every wait for IPUs (UNAVAILABLE) and refuses later allocations."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
 
 @dataclass
@@ -147,6 +187,11 @@ class Session:
             f"variables={len(self.variables)}, executables={len(self.executables)})"
         )
 
+    @property
+    def short_id(self) -> str:
+        """The id's first 8 characters, for logs (the whole id is a credential)."""
+        return self.session_id[:8]
+
     def touch(self) -> None:
         """Renews the lease."""
         self.last_seen = time.monotonic()
@@ -155,14 +200,20 @@ class Session:
         """Whether the lease ran out before ``now`` (a ``time.monotonic()`` value)."""
         return now - self.last_seen > self.lease_seconds
 
+    def variable_bytes(self) -> int:
+        """Bytes of the session's resident variables (read while the session is entered)."""
+        return sum(v.nbytes for v in self.variables.values())
+
     @contextmanager
-    def enter(self, max_waiting: int) -> Iterator[Session]:
+    def enter(self, max_waiting: int, timeout: float | None = None) -> Iterator[Session]:
         """Serializes a call of this session; renews the lease on the way in and out.
 
         Args:
             max_waiting: how many calls of this session may wait for the lock at once; one
                 more is refused (RESOURCE_EXHAUSTED) so that a single session cannot hold all
                 of the server's worker threads.
+            timeout: seconds to wait for the session's earlier call to finish (None: no
+                bound); DEADLINE_EXCEEDED after it.
 
         Raises:
             ServiceError: NOT_FOUND if the session was closed while the call waited.
@@ -177,14 +228,22 @@ class Session:
                 )
             self._waiting += 1
         try:
-            self._lock.acquire()
+            acquired = self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
         finally:
             with self._waiting_lock:
                 self._waiting -= 1
+        if not acquired:
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"Session {self.session_id}: the call waited {timeout:.1f} s for the session's "
+                f"earlier call to finish (calls of one session run one at a time).",
+                kind="deadline",
+            )
         try:
             if self.closed:
                 raise ServiceError(
-                    grpc.StatusCode.NOT_FOUND, f"Session {self.session_id} was closed."
+                    grpc.StatusCode.NOT_FOUND, f"Session {self.session_id} was closed.",
+                    kind="unknown-session",
                 )
             self.touch()
             yield self
@@ -245,6 +304,7 @@ class SessionManager:
         """Stops the reaper and closes every session not inside a call (at shutdown, a
         call still running is not waited for)."""
         self._stop.set()
+        self.pool.close()
         if self._reaper is not None:
             self._reaper.join(timeout=2.0)
         with self._lock:
@@ -282,7 +342,7 @@ class SessionManager:
         session = Session(secrets.token_hex(16), client_name[:200], float(lease_seconds))
         with self._lock:
             self._sessions[session.session_id] = session
-        logger.info("opened session %s for %r (lease %.1f s)", session.session_id,
+        logger.info("opened session %s for %r (lease %.1f s)", session.short_id,
                     session.client_name, session.lease_seconds)
         return session
 
@@ -298,8 +358,9 @@ class SessionManager:
             shown = session_id if len(session_id) <= 80 else session_id[:80] + "..."
             raise ServiceError(
                 grpc.StatusCode.NOT_FOUND,
-                f"No open session {shown!r} on this server (never opened, closed, or its "
-                f"lease expired).",
+                f"No open session {shown!r} on this server (never opened, closed, its "
+                f"lease expired, or the server restarted).",
+                kind="unknown-session",
             )
         session.touch()
         return session
@@ -320,7 +381,7 @@ class SessionManager:
         the architecture the session had). The session's lock must be held."""
         if session.ipu_ids:
             self.pool.release(session.ipu_ids)
-            logger.info("session %s detached IPUs %s", session.session_id, session.ipu_ids)
+            logger.info("session %s detached IPUs %s", session.short_id, session.ipu_ids)
         session.ipu_ids = []
         session.target = None
         session.ipu_version = ""
@@ -336,7 +397,7 @@ class SessionManager:
         session.closed = True
         with self._lock:
             self._sessions.pop(session.session_id, None)
-        logger.info("session %s %s", session.session_id, reason)
+        logger.info("session %s %s", session.short_id, reason)
         if self._on_close is not None:
             self._on_close(session, reason)
 
@@ -359,7 +420,7 @@ class SessionManager:
                 if s.expired(time.monotonic()) and not s.closed:
                     logger.warning(
                         "session %s (%s) missed its %.1f s lease; closing it and freeing IPUs %s",
-                        s.session_id, s.client_name, s.lease_seconds, s.ipu_ids,
+                        s.short_id, s.client_name, s.lease_seconds, s.ipu_ids,
                     )
                     self._close_locked(s, "expired")
                     reaped.append(s.session_id)

@@ -64,7 +64,7 @@ def main() -> None:
           f"({time.time() - t0:.1f} s wall on the emulator)")
     model.predict(x_test[:64], batch_size=32, verbose=0)
 
-    print(f"\nEmulator estimates ({cfg.ipu_model.version}; first-order model, see docs/):")
+    print(f"\nEmulator estimates ({cfg.ipu_model.version}; tile model, see docs/tile_model.md):")
     for report in strategy.reports:
         print("  " + report.summary())
     train = [r for r in strategy.reports if "train_function" in r.name][0]

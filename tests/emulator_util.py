@@ -83,10 +83,11 @@ def lower_step(
     """Like :func:`lower` for a function that reads/updates variables (e.g. a train step).
 
     Returns ``(module, params, expected)``: ``params`` are the entry parameters (the
-    arguments, then the captured variables' values *before* the XLA run, in the order of
-    ``concrete_fn.captured_inputs``); ``expected`` is the flattened XLA result followed by
-    the updated variable values for the aliased outputs (so it lines up with the emulator's
-    outputs). The XLA run updates the variables, as a real step would.
+    arguments, then the captured variables' values *before* the XLA run and the captured
+    constant tensors, in the order of ``concrete_fn.captured_inputs``); ``expected`` is the
+    flattened XLA result followed by the updated variable values for the aliased outputs (so
+    it lines up with the emulator's outputs). The XLA run updates the variables, as a real
+    step would.
     """
     f = _as_xla_function(fn)
     module = hlo_module_to_ir(hlo_of(f, *args))
@@ -99,6 +100,8 @@ def lower_step(
     n_args = len(args)
 
     def read(k: int) -> np.ndarray:
+        if captured[k].dtype != tf.resource:  # a captured constant (e.g. Normalization's mean)
+            return np.asarray(captured[k].numpy(), order="C")
         dt = tf.as_dtype(dtypes.to_numpy(param_dtypes[n_args + k]))
         return np.asarray(tf.raw_ops.ReadVariableOp(resource=captured[k], dtype=dt).numpy(), order="C")
 

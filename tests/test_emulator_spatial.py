@@ -68,6 +68,8 @@ def run_both(fn: Callable[..., Any], *args: Any, expect: str | None = None) -> t
 
 
 def assert_close(ours: Sequence[np.ndarray], ref: Sequence[np.ndarray], tol: float | None = None) -> None:
+    """Same count, shapes and dtypes; floats within the tolerance of the module docstring
+    (NaN where XLA has NaN, equal infinities), everything else exactly."""
     assert len(ours) == len(ref)
     for k, (a, e) in enumerate(zip(ours, ref, strict=True)):
         a, e = np.asarray(a), np.asarray(e)
@@ -89,15 +91,35 @@ def assert_close(ours: Sequence[np.ndarray], ref: Sequence[np.ndarray], tol: flo
 
 
 def check(fn: Callable[..., Any], *args: Any, expect: str | None = None, tol: float | None = None) -> None:
+    """Asserts that the emulator and XLA agree on ``fn(*args)`` (see :func:`assert_close`)."""
     ours, ref = run_both(fn, *args, expect=expect)
     assert_close(ours, ref, tol)
 
 
 def rand(rng: np.random.Generator, shape: Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    """Standard normal floats, or small integers (-5..5, unsigned 0..5)."""
     dtype = np.dtype(dtype)
     if dtype.kind in "iu":
         return rng.integers(-5 if dtype.kind == "i" else 0, 6, size=shape).astype(dtype)
     return rng.standard_normal(size=shape).astype(dtype)
+
+
+@pytest.mark.parametrize("opcode", ["convolution", "gather"])
+def test_comparison_catches_a_wrong_kernel(opcode: str) -> None:
+    """The comparison used here fails when the kernel's results are perturbed (the emulator's
+    fault injection switch), so a passing test means something."""
+    from device_server.emulator import CompileOptions
+
+    rng = np.random.default_rng(12)
+    if opcode == "convolution":
+        fn, args = (lambda x, w: tf.nn.conv2d(x, w, 1, "SAME")), [rand(rng, (1, 5, 5, 3)), rand(rng, (3, 3, 3, 2))]
+    else:
+        fn, args = (lambda t, i: tf.gather(t, i)), [rand(rng, (6, 3), np.int32), np.array([4, 0, 5], np.int32)]
+    module, ref = eu.lower(tf.function(fn, jit_compile=True, autograph=False), *[tf.constant(a) for a in args])
+    assert_close(eu.run_ir(module, args), ref)
+    broken = eu.run_ir(module, args, options=CompileOptions(fault_inject_opcode=opcode))
+    with pytest.raises(AssertionError):
+        assert_close(broken, ref)
 
 
 # -------------------------------------------------------------------------- convolution
@@ -716,3 +738,56 @@ def test_bench_conv_vs_tf() -> None:
         ratios.append(ours / theirs)
         print(f"{(n, h, c, k, o, s, g)!s:36} {ours * 1e3:9.1f}   {theirs * 1e3:15.1f}   {ours / theirs:5.2f}x")
     print(f"geometric mean ratio: {float(np.exp(np.mean(np.log(ratios)))):.2f}x")
+
+
+@pytest.mark.skipif(not os.environ.get("TF_IPU_BENCH"), reason="benchmark: set TF_IPU_BENCH=1")
+def test_bench_training_ops_vs_tf() -> None:
+    """Times the lowered gradients of conv2d and max_pool2d on the emulator (whole program:
+    the spatial kernels plus the glue around them) against the same functions run by TF on CPU
+    without XLA (best of 5): ``TF_IPU_BENCH=1 pytest tests/test_emulator_spatial.py -k bench -s``."""
+    import time
+
+    from device_server.emulator import CompileOptions, compile_module, get_target
+
+    def best(fn: Callable[[], Any], reps: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def conv_grads(x: tf.Tensor, w: tf.Tensor, dy: tf.Tensor) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv2d(x, w, 1, "SAME")
+        return tape.gradient(y, [x, w], output_gradients=dy)
+
+    def pool_grads(x: tf.Tensor, dy: tf.Tensor) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.max_pool2d(x, 3, 2, "SAME")
+        return y, tape.gradient(y, x, output_gradients=dy)
+
+    rng = np.random.default_rng(0)
+    cases = [
+        ("conv2d 3x3 fwd+grads (32,28,28,128)->128", conv_grads,
+         [rand(rng, (32, 28, 28, 128)), rand(rng, (3, 3, 128, 128)), rand(rng, (32, 28, 28, 128))]),
+        ("conv2d 3x3 fwd+grads (8,56,56,64)->64", conv_grads,
+         [rand(rng, (8, 56, 56, 64)), rand(rng, (3, 3, 64, 64)), rand(rng, (8, 56, 56, 64))]),
+        ("max_pool 3x3/2 SAME fwd+grad (32,112,112,64)", pool_grads,
+         [rand(rng, (32, 112, 112, 64)), rand(rng, (32, 56, 56, 64))]),
+    ]
+    print("\ncase                                             emulator ms   TF (no XLA) ms   ratio")
+    for name, fn, args in cases:
+        targs = [tf.constant(a) for a in args]
+        module, expected = eu.lower(tf.function(fn, jit_compile=True, autograph=False), *targs)
+        exe = compile_module(module, get_target("ipu2"), CompileOptions(allow_out_of_memory=True))
+        got = exe.run(args)
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-3 * float(np.abs(e).max()))
+        plain = tf.function(fn, autograph=False)
+        ours = best(lambda exe=exe, args=args: exe.run(args))
+        theirs = best(lambda plain=plain, targs=targs: [t.numpy() for t in tf.nest.flatten(plain(*targs))])
+        print(f"{name:48} {ours * 1e3:11.1f}   {theirs * 1e3:14.1f}   {ours / theirs:5.2f}x")

@@ -211,3 +211,17 @@ def test_fault_injection_changes_losses(strategy):
         cfg.configure_ipu_system()
     assert clean == losses()  # repeatable without the fault
     assert all(abs(a - b) > 1e-6 * abs(b) for a, b in zip(faulty, clean, strict=True)), (faulty, clean)
+
+
+def test_validation_data_and_sample_weights_match_cpu(strategy):
+    x, y = classification_data(96, (16,), seed=7)
+    sw = np.linspace(0.5, 1.5, 96).astype("float32")
+    ref, ipu = _pair(mlp, strategy, _sgd, "sparse_categorical_crossentropy", 4,
+                     metrics=["accuracy"])
+    kw = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+              validation_data=(x[:40], y[:40]), sample_weight=sw)
+    h_ref = ref.fit(x, y, **kw).history
+    h_ipu = ipu.fit(x, y, **kw).history
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(h_ipu[key], h_ref[key], rtol=1e-4, err_msg=key)
+    assert h_ipu["val_accuracy"] == pytest.approx(h_ref["val_accuracy"], abs=1e-6)

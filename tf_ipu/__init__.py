@@ -11,6 +11,7 @@ handler of IpuExecute kernels, so graphs and SavedModels holding device calls ru
 
 from tf_ipu import errors
 from tf_ipu.config import IPUConfig
+from tf_ipu.estimate import estimate, estimate_sweep  # noqa: F401  (sizing without a server)
 from tf_ipu.runtime import get_runtime
 from tf_ipu.strategy import IPUStrategy
 

@@ -6,8 +6,10 @@
 
 Every call has a deadline; a server that cannot be reached raises ``DeviceUnavailableError``
 naming the address within ``connect_timeout`` (10 s by default), never a hang. gRPC errors
-are re-raised as ``tf_ipu.errors.DeviceError`` subclasses carrying the server's message and
-address. Does not import TensorFlow.
+are re-raised as ``tf_ipu.errors.DeviceError`` subclasses carrying the server's message,
+address and error kind. A server that wants a token gets it as ``authorization: Bearer``
+metadata on every call; ``tls_ca`` makes the channel TLS, checked against that CA. Does not
+import TensorFlow.
 
 Example:
     >>> client = DeviceClient("127.0.0.1:50051")
@@ -27,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 ERROR_KIND_METADATA = "tf-ipu-error-kind"
+TOKEN_ENV = "TF_IPU_SERVER_TOKEN"
 _GRPC_INT_MAX = (1 << 31) - 1
 
 
@@ -118,6 +122,7 @@ class SessionInfo:
     free_ipus: int
     max_message_bytes: int
     lease_seconds: float
+    max_session_bytes: int = 0  # 0: no limit
 
 
 @dataclass(frozen=True)
@@ -159,9 +164,19 @@ class DeviceClient:
             legitimately take long on an emulated device.
         max_message_bytes: largest message either way (the server's is 1 GiB by default).
         client_name: shown in the server's logs.
+        token: sent as ``authorization: Bearer <token>`` with every call; None reads
+            ``$TF_IPU_SERVER_TOKEN`` ("" sends none).
+        tls_ca: PEM bytes, or the path of a PEM file, of the CA that signed the server's
+            certificate: the channel then speaks TLS. None: plaintext.
+        tls_server_name: the name to check the server's certificate against, if not the
+            address's host.
 
     Raises:
         ValueError: an empty address or non-positive timeouts.
+        OSError: ``tls_ca`` names a file that cannot be read.
+
+    Example:
+        >>> client = DeviceClient("ipus.example.com:5005", token="s3cret", tls_ca="ca.pem")
     """
 
     def __init__(
@@ -171,6 +186,9 @@ class DeviceClient:
         run_timeout: float = 600.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         client_name: str = "",
+        token: str | None = None,
+        tls_ca: bytes | str | None = None,
+        tls_server_name: str = "",
     ) -> None:
         if not address or not isinstance(address, str):
             raise ValueError(f"DeviceClient needs a 'host:port' address. Received: {address!r}")
@@ -182,7 +200,19 @@ class DeviceClient:
         self.timeout = float(timeout)
         self.run_timeout = float(run_timeout)
         self.client_name = client_name or f"tf_ipu pid {os.getpid()}"
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        token = os.environ.get(TOKEN_ENV, "") if token is None else token
+        self._metadata = (("authorization", f"Bearer {token.strip()}"),) if token else None
+        options = channel_options(max_message_bytes)
+        if tls_ca is not None:
+            if isinstance(tls_ca, str):
+                tls_ca = Path(tls_ca).read_bytes()
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(
+                address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options
+            )
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = device_pb2_grpc.DeviceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._session: SessionInfo | None = None
@@ -237,10 +267,15 @@ class DeviceClient:
                     kind = v.decode() if isinstance(v, bytes) else str(v)
         except Exception:  # no metadata on locally generated errors
             pass
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and kind != "deadline":
             details = f"{method} got no answer within {timeout:g} s ({details})"
-        elif code == grpc.StatusCode.UNAVAILABLE:
+        elif code == grpc.StatusCode.UNAVAILABLE and kind != "shutting-down":
             details = f"{method}: cannot reach the device server ({details})"
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+            limit = self._session.max_message_bytes if self._session else 0
+            details = (f"{method}: the message is larger than the gRPC limit ({details}); "
+                       + (f"the server takes at most {limit} bytes a message "
+                          f"(--max-message-bytes)." if limit else "see --max-message-bytes."))
         return errors.from_status(code.name, details, self.address, kind)
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
@@ -250,9 +285,11 @@ class DeviceClient:
             self._probe()
         timeout = self.timeout if timeout is None else timeout
         try:
-            return getattr(self._stub, method)(request, timeout=timeout)
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._error(method, e, timeout) from None
+        except ValueError as e:  # the channel was closed under this call
+            raise errors.FailedPreconditionError(f"{method}: {e}", self.address) from None
 
     def _probe(self) -> None:
         """One health check without waiting for a connection: fails fast on a refused
@@ -314,9 +351,9 @@ class DeviceClient:
                 return False
             if self._session is not None:
                 self._stub.Heartbeat(device_pb2.SessionRef(session_id=self._session.session_id),
-                                     timeout=min(self.timeout, 2.0))
+                                     timeout=min(self.timeout, 2.0), metadata=self._metadata)
             return True
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: the channel is closed
             return False
 
     # -- sessions and IPUs --------------------------------------------------------------
@@ -352,31 +389,41 @@ class DeviceClient:
                 free_ipus=reply.free_ipus,
                 max_message_bytes=reply.max_message_bytes,
                 lease_seconds=reply.lease_seconds,
+                max_session_bytes=reply.max_session_bytes,
             )
             self._start_heartbeat(reply.session_id, reply.lease_seconds)
             logger.debug("opened session %s on %s", reply.session_id, self.address)
             return self._session
 
-    def attach(self, num_ipus: int = 1, ipu_version: str = "", tiles_per_ipu: int = 0) -> Attachment:
+    def attach(
+        self,
+        num_ipus: int = 1,
+        ipu_version: str = "",
+        tiles_per_ipu: int = 0,
+        wait_seconds: float = 0.0,
+    ) -> Attachment:
         """Attaches IPUs to the session, exclusively.
 
         Args:
             num_ipus: how many.
             ipu_version: ``"ipu1"``, ``"ipu2"``, ``"bow"``; ``""`` for the server's default.
             tiles_per_ipu: 0 for the version's full tile count.
+            wait_seconds: how long the server may wait for enough IPUs to become free.
 
         Returns:
             An ``Attachment`` (ids, canonical version, tiles per IPU).
 
         Raises:
-            ResourceExhaustedError: fewer free IPUs than asked (the message says how many).
+            ResourceExhaustedError: fewer free IPUs than asked, also after ``wait_seconds``
+                (the message says how many were requested and free).
         """
         reply = self._call(
             "AttachIpus",
             device_pb2.AttachIpusRequest(
                 session_id=self.session_id, num_ipus=num_ipus, ipu_version=ipu_version,
-                tiles_per_ipu=tiles_per_ipu,
+                tiles_per_ipu=tiles_per_ipu, wait_seconds=wait_seconds,
             ),
+            self.timeout + max(0.0, wait_seconds),
         )
         self._attachment = Attachment(list(reply.ipu_ids), reply.ipu_version, reply.tiles_per_ipu)
         return self._attachment
@@ -397,12 +444,26 @@ class DeviceClient:
                 try:
                     self._stub.CloseSession(
                         device_pb2.SessionRef(session_id=self._session.session_id),
-                        timeout=min(self.timeout, 5.0),
+                        timeout=min(self.timeout, 5.0), metadata=self._metadata,
                     )
                 except grpc.RpcError as e:
                     logger.debug("CloseSession on %s: %s", self.address, e.code().name)
                 self._session = None
                 self._attachment = None
+            self._closed = True
+            self._channel.close()
+
+    def abandon(self) -> None:
+        """Drops the connection without telling the server (for a server that is gone or
+        that forgot the session): stops the heartbeat, closes the channel. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._heartbeat is not None:
+                self._heartbeat.stop.set()  # not joined: it may be inside a call
+                self._heartbeat = None
+            self._session = None
+            self._attachment = None
             self._closed = True
             self._channel.close()
 
@@ -414,7 +475,8 @@ class DeviceClient:
             request = device_pb2.SessionRef(session_id=session_id)
             while not stop.wait(interval):
                 try:
-                    self._stub.Heartbeat(request, timeout=max(interval, 1.0))
+                    self._stub.Heartbeat(request, timeout=max(interval, 1.0),
+                                         metadata=self._metadata)
                 except grpc.RpcError as e:
                     self.heartbeat_failures += 1
                     logger.warning("heartbeat of session %s to %s failed: %s %s", session_id,

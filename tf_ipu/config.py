@@ -11,6 +11,7 @@ The names follow Graphcore's IPU TensorFlow API (``IPUConfig``, ``auto_select_ip
 
 Environment variables:
     TF_IPU_SERVER=host:port   use that device server instead of starting a local one.
+    TF_IPU_SERVER_TOKEN=...   the token to present to the device server (if it wants one).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ IPU_VERSIONS = {"ipu1": "ipu1", "ipu2": "ipu2", "bow": "bow", "ipu21": "bow"}
 """Accepted architecture names and the canonical name each stands for."""
 
 _TILES = {"ipu1": 1216, "ipu2": 1472, "bow": 1472}
+_SECRET = frozenset({"server_token"})  # shown as *** by repr
 
 
 class _Section:
@@ -53,7 +55,9 @@ class _Section:
         return out
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self._as_dict().items())
+        fields = ", ".join(
+            f"{k}={'***' if k in _SECRET and v else repr(v)}" for k, v in self._as_dict().items()
+        )
         return f"{type(self).__name__}({fields})"
 
 
@@ -130,6 +134,10 @@ class IPUConfig(_Section):
         floating_point_behaviour: a ``FloatingPointBehaviour``.
         debug: ``DebugOptions`` (test switches).
         connect_timeout: seconds to wait for the server before failing.
+        server_token: the token a server started with ``--token-file`` wants; None:
+            ``$TF_IPU_SERVER_TOKEN`` if set.
+        server_tls_ca: path of the PEM CA certificate (or the PEM bytes) that signed the
+            server's TLS certificate; None: plaintext.
 
     Example:
         >>> cfg = IPUConfig()
@@ -152,6 +160,8 @@ class IPUConfig(_Section):
                 "floating_point_behaviour": FloatingPointBehaviour(),
                 "debug": DebugOptions(),
                 "connect_timeout": 5.0,
+                "server_token": None,
+                "server_tls_ca": None,
             },
         )
         super().__init__()
@@ -172,6 +182,12 @@ class IPUConfig(_Section):
                 )
         if name in ("ipu_model", "floating_point_behaviour", "debug"):
             raise AttributeError(f"IPUConfig.{name} is a group: set its fields instead.")
+        if name == "server_token" and value is not None and not isinstance(value, str):
+            raise ValueError(f"IPUConfig.server_token must be a str. Received: {type(value).__name__}")
+        if name == "server_tls_ca" and value is not None and not isinstance(value, (str, bytes)):
+            raise ValueError(
+                f"IPUConfig.server_tls_ca must be a path or PEM bytes. Received: {type(value).__name__}"
+            )
         if name == "server_address" and value is not None:
             value = str(value)
             if ":" not in value:
@@ -184,6 +200,13 @@ class IPUConfig(_Section):
     def resolved_server_address(self) -> str | None:
         """The server to use: ``server_address``, else ``$TF_IPU_SERVER``, else None (local)."""
         return self.server_address or os.environ.get("TF_IPU_SERVER") or None
+
+    @property
+    def resolved_server_token(self) -> str:
+        """The token to present: ``server_token``, else ``$TF_IPU_SERVER_TOKEN``, else ""."""
+        if self.server_token is not None:
+            return self.server_token
+        return os.environ.get("TF_IPU_SERVER_TOKEN", "")
 
     @property
     def ipu_version(self) -> str:

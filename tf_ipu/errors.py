@@ -2,8 +2,9 @@
 
 Every error carries the gRPC status code (``code``, e.g. ``"INVALID_ARGUMENT"``, and the
 number ``grpc_code``, which is also the TF/absl status code, so the op library fails a
-device call with the matching ``tf.errors`` class), the server's message, and the address of
-the server that said it.
+device call with the matching ``tf.errors`` class), the server's message, the address of
+the server that said it, and the server's refinement of the code (``kind``, e.g.
+``"unknown-session"``, ``"no-free-ipus"``, ``"shutting-down"``; "" if none).
 
     DeviceError
      |- DeviceUnavailableError      server unreachable, gone, or not answering (UNAVAILABLE)
@@ -15,6 +16,7 @@ the server that said it.
      |- UnsupportedOpError          an opcode the emulator does not (or is told not to) run
      |                              (UNIMPLEMENTED from a server without the method: DeviceError)
      |- FailedPreconditionError     calls in the wrong order (e.g. Compile before AttachIpus)
+     |- UnauthenticatedError        the server wants a token and got none or a wrong one
      '- InternalError               a fault inside the server
 """
 
@@ -36,6 +38,7 @@ class DeviceError(Exception):
         code: gRPC status code name, e.g. ``"INVALID_ARGUMENT"``.
         message: what the server (or the transport) said.
         address: ``host:port`` of the server, when known.
+        kind: the server's refinement of the code (trailing metadata ``tf-ipu-error-kind``).
 
     Example:
         >>> try:
@@ -44,10 +47,11 @@ class DeviceError(Exception):
         ...     print(e.code, e.message, e.address)
     """
 
-    def __init__(self, code: str, message: str, address: str = "") -> None:
+    def __init__(self, code: str, message: str, address: str = "", kind: str = "") -> None:
         self.code = code
         self.message = message
         self.address = address
+        self.kind = kind
         super().__init__(str(self))
 
     @property
@@ -63,22 +67,22 @@ class DeviceError(Exception):
         return f"{type(self).__name__}(code={self.code!r}, message={self.message!r}, address={self.address!r})"
 
     def __reduce__(self) -> tuple:
-        return (_rebuild, (type(self), self.code, self.message, self.address))
+        return (_rebuild, (type(self), self.code, self.message, self.address, self.kind))
 
 
-def _rebuild(cls: type, code: str, message: str, address: str) -> DeviceError:
+def _rebuild(cls: type, code: str, message: str, address: str, kind: str = "") -> DeviceError:
     err = Exception.__new__(cls)
-    DeviceError.__init__(err, code, message, address)
+    DeviceError.__init__(err, code, message, address, kind)
     return err
 
 
 class _CodedError(DeviceError):
-    """A DeviceError whose code is fixed by its class: ``Cls(message, address="")``."""
+    """A DeviceError whose code is fixed by its class: ``Cls(message, address="", kind="")``."""
 
     CODE = "UNKNOWN"
 
-    def __init__(self, message: str, address: str = "") -> None:
-        super().__init__(self.CODE, message, address)
+    def __init__(self, message: str, address: str = "", kind: str = "") -> None:
+        super().__init__(self.CODE, message, address, kind)
 
 
 class DeviceUnavailableError(_CodedError):
@@ -127,6 +131,12 @@ class FailedPreconditionError(_CodedError):
     CODE = "FAILED_PRECONDITION"
 
 
+class UnauthenticatedError(_CodedError):
+    """The server wants a token (``IPUConfig.server_token``) and got none or a wrong one."""
+
+    CODE = "UNAUTHENTICATED"
+
+
 class InternalError(_CodedError):
     """A fault inside the device server."""
 
@@ -137,7 +147,7 @@ _BY_CODE: dict[str, type[_CodedError]] = {
     cls.CODE: cls
     for cls in (DeviceUnavailableError, DeadlineExceededError, InvalidArgumentError,
                 NotFoundError, ResourceExhaustedError, UnsupportedOpError,
-                FailedPreconditionError, InternalError)
+                FailedPreconditionError, UnauthenticatedError, InternalError)
 }
 
 
@@ -155,18 +165,19 @@ def from_status(code: str, message: str, address: str = "", kind: str = "") -> D
         An instance of the most specific class (``DeviceError`` itself for other codes).
     """
     if code == "RESOURCE_EXHAUSTED" and kind == "out-of-memory":
-        return OutOfMemoryError(message, address)
+        return OutOfMemoryError(message, address, kind)
     if code == "UNIMPLEMENTED" and kind != "unsupported-op":
         # The server does not have the method at all: not an opcode the program uses.
-        return DeviceError(code, f"{message} (does the server speak this protocol version?)", address)
+        return DeviceError(code, f"{message} (does the server speak this protocol version?)",
+                           address, kind)
     cls = _BY_CODE.get(code)
     if cls is None:
-        return DeviceError(code, message, address)
-    return cls(message, address)
+        return DeviceError(code, message, address, kind)
+    return cls(message, address, kind)
 
 
 __all__ = [
     "DeadlineExceededError", "DeviceError", "DeviceUnavailableError", "FailedPreconditionError",
     "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
-    "ResourceExhaustedError", "UnsupportedOpError", "from_status",
+    "ResourceExhaustedError", "UnauthenticatedError", "UnsupportedOpError", "from_status",
 ]

@@ -12,6 +12,15 @@ variable holds, so that:
   (first use, ``set_weights``, ``assign``, a learning-rate change, a reconnect);
 - every device call returns the new values of the variables it updated, which the traced
   function assigns to the host variables, so host reads always see the last device call.
+
+The host's copies are the truth, which makes the connection disposable. When a call finds
+the server gone (UNAVAILABLE: it died, is restarting, or is shutting down) the error reaches
+the caller at once (Keras raises it from ``fit``) and the connection is dropped; the next
+device call or ``configure_ipu_system()`` connects again with the last configuration, opens
+a new session, re-attaches, recompiles programs as they are used and uploads every variable
+from the host. When a call finds the server up but the session forgotten (its lease ran out,
+or the server restarted between calls) the runtime does the same and retries the call once:
+nothing ran on the device, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ class ProgramEntry:
     aliases: dict[int, int] = field(default_factory=dict)
     estimate: Any = None
     cache_hit: bool = False
+    reported_for: tuple | None = None    # the configuration its last report was made for
 
 
 @dataclass
@@ -87,6 +97,12 @@ class CompileReport:
             f"{'' if self.fits else ' (DOES NOT FIT)'}; total {self.total_bytes:,} B"
         )
 
+    def save_html(self, path: str) -> str:
+        """Writes the emulator's full report (``details``) as a self-contained HTML page."""
+        from tf_ipu.report import save_html
+
+        return save_html(self, path)
+
 
 class DeviceRuntime:
     """Process-wide connection to the device server (see module docstring)."""
@@ -106,6 +122,12 @@ class DeviceRuntime:
     # -- configuration -------------------------------------------------------------------
     @property
     def configured(self) -> bool:
+        """Whether the IPU system was configured (a lost connection is re-made on use)."""
+        return self._config is not None
+
+    @property
+    def connected(self) -> bool:
+        """Whether a session on the device server is open now."""
         return self._client is not None
 
     @property
@@ -122,11 +144,13 @@ class DeviceRuntime:
         return self._config
 
     def configure(self, cfg: Any) -> None:
-        """Connects, opens a session and attaches IPUs as ``cfg`` says (reusing what it can)."""
+        """Connects, opens a session and attaches IPUs as ``cfg`` says (reusing what it can:
+        a healthy connection with the same configuration is kept)."""
         from tf_ipu.config import default_tiles
 
         with self._lock:
             address = cfg.resolved_server_address
+            token = cfg.resolved_server_token
             key = (
                 address,
                 cfg.auto_select_ipus,
@@ -135,6 +159,8 @@ class DeviceRuntime:
                 tuple(cfg.debug.refuse_opcodes),
                 cfg.debug.fault_inject_opcode,
                 cfg.debug.allow_out_of_memory,
+                token,
+                cfg.server_tls_ca,
             )
             if self._client is not None and key == self._config_key and self._client.healthy():
                 self._config = cfg
@@ -143,7 +169,13 @@ class DeviceRuntime:
                 address = self._ensure_local_server()
             if self._client is not None and self._client.address == address:
                 self._disconnect()  # release this server's IPUs before attaching again
-            client = DeviceClient(address, timeout=cfg.connect_timeout)
+            try:
+                client = DeviceClient(address, timeout=cfg.connect_timeout, token=token,
+                                      tls_ca=cfg.server_tls_ca)
+            except OSError as e:
+                raise ValueError(
+                    f"IPUConfig.server_tls_ca: cannot read {cfg.server_tls_ca!r}: {e}"
+                ) from None
             try:
                 client.wait_for_server(cfg.connect_timeout)
                 client.open_session()
@@ -165,11 +197,48 @@ class DeviceRuntime:
             self.ensure_handler()
 
     def ensure_configured(self) -> None:
-        """Configures with defaults (``$TF_IPU_SERVER`` or a local server) if not yet done."""
+        """Connects if there is no connection: with the last configuration (after a lost
+        connection), else with defaults (``$TF_IPU_SERVER`` or a local server)."""
         if self._client is None:
             from tf_ipu.config import IPUConfig
 
-            self.configure(IPUConfig())
+            if self._config is not None:
+                _log.info("tf_ipu: reconnecting to the device server")
+            self.configure(self._config if self._config is not None else IPUConfig())
+
+    def _drop_connection(self, error: errors.DeviceError) -> None:
+        """Forgets a connection whose server is gone or forgot the session; the next
+        device call (or ``configure``) makes a new one and re-uploads every variable."""
+        client = self._client
+        if client is None:
+            return
+        _log.warning(
+            "tf_ipu: lost the session on the device server at %s (%s: %s); the next device "
+            "call reconnects and uploads every variable again from the host's copies",
+            client.address, error.code, error.message,
+        )
+        client.abandon()
+        self._client = None
+        self._config_key = None
+        self._synced.clear()
+        for entry in self._programs:
+            entry.executable_id = None
+
+    def _on_device(self, fn: Any) -> Any:
+        """Runs ``fn()`` (device calls through ``self.client``) with the connection rules of
+        the module docstring: a lost server drops the connection and raises; a forgotten
+        session drops it, reconnects and retries once."""
+        for attempt in (0, 1):
+            self.ensure_configured()
+            try:
+                return fn()
+            except errors.DeviceError as e:
+                if not _connection_lost(e):
+                    raise
+                self._drop_connection(e)
+                if attempt or e.code == "UNAVAILABLE":
+                    raise
+        raise AssertionError("unreachable")
 
     def _ensure_local_server(self) -> str:
         from tf_ipu.local_server import start_local_server
@@ -229,9 +298,8 @@ class DeviceRuntime:
         """Registers and compiles a program now (errors surface here, at lowering time)."""
         pid = self.register_program(program, signature)
         with self._lock:
-            self.ensure_configured()
             entry = self._programs[pid]
-            self._compile_entry(entry)
+            self._on_device(lambda: self._compile_entry(entry))
             return self._report_of(entry)
 
     def _compile_entry(self, entry: ProgramEntry) -> None:
@@ -249,6 +317,9 @@ class DeviceRuntime:
         entry.aliases = dict(compiled.aliases)
         entry.estimate = compiled.estimate
         entry.cache_hit = compiled.cache_hit
+        if entry.reported_for == self._config_key:
+            return  # recompiled after a reconnect: same program, same report
+        entry.reported_for = self._config_key
         report = self._report_of(entry, compiled.compile_seconds)
         self.reports.append(report)
         _log.info("tf_ipu: compiled %s", report.summary())
@@ -280,32 +351,13 @@ class DeviceRuntime:
     def execute(self, pid: int, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         """Runs program ``pid``: uploads changed variables, executes, fills ``outputs``."""
         with self._lock:
-            self.ensure_configured()
             entry = self._programs[pid]
-            self._compile_entry(entry)
             if len(inputs) != len(entry.params):
                 raise errors.InvalidArgumentError(
                     f"{entry.name}: the kernel passed {len(inputs)} inputs, the program "
                     f"has {len(entry.params)} parameters."
                 )
-            bindings: list[Any] = []
-            writes: dict[str, np.ndarray] = {}
-            for value, param in zip(inputs, entry.params, strict=True):
-                if param["kind"] == "var":
-                    key = param["key"]
-                    held = self._synced.get(key)
-                    if held is None or not _same_bytes(held, value):
-                        copy = np.array(value, copy=True)
-                        writes[key] = copy
-                        self._synced[key] = copy
-                    bindings.append(VariableRef(key))
-                else:
-                    bindings.append(value)
-            if writes:
-                self.client.write_variables(writes)
-            results = self.client.execute(
-                entry.executable_id, bindings, return_updated_variables=True
-            )
+            results = self._on_device(lambda: self._run(entry, inputs))
             self.device_calls += 1
             if len(results) != len(outputs):
                 raise errors.DeviceError(
@@ -315,10 +367,49 @@ class DeviceRuntime:
                 )
             for out, res in zip(outputs, results, strict=True):
                 out[...] = res
-            for out_index, param_index in entry.aliases.items():
-                param = entry.params[param_index]
-                if param["kind"] == "var":
-                    self._synced[param["key"]] = results[out_index]
+
+    def _run(self, entry: ProgramEntry, inputs: list[np.ndarray]) -> list[Any]:
+        """One device call: compile if needed, upload the variables whose host value differs
+        from the device's, execute. Keeps ``_synced`` true to what the device holds."""
+        self._compile_entry(entry)
+        bindings: list[Any] = []
+        writes: dict[str, np.ndarray] = {}
+        for value, param in zip(inputs, entry.params, strict=True):
+            if param["kind"] == "var":
+                key = param["key"]
+                held = self._synced.get(key)
+                if held is None or not _same_bytes(held, value):
+                    writes[key] = np.array(value, copy=True)
+                bindings.append(VariableRef(key))
+            else:
+                bindings.append(value)
+        try:
+            if writes:
+                self.client.write_variables(writes)
+                self._synced.update(writes)
+            results = self.client.execute(
+                entry.executable_id, bindings, return_updated_variables=True
+            )
+        except errors.DeviceError:
+            # The call may have run partly (e.g. a deadline passed while it ran): the device
+            # values are uncertain, so the next call uploads every variable again.
+            self._synced.clear()
+            raise
+        for out_index, param_index in entry.aliases.items():
+            param = entry.params[param_index]
+            if param["kind"] == "var":
+                self._synced[param["key"]] = results[out_index]
+        return results
+
+
+def _connection_lost(error: errors.DeviceError) -> bool:
+    """Whether ``error`` says the session is gone: the server is unreachable or shutting
+    down (UNAVAILABLE), or it does not know the session (NOT_FOUND, kind unknown-session)."""
+    if error.code == "UNAVAILABLE":
+        return True
+    return error.code == "NOT_FOUND" and (
+        error.kind == "unknown-session" or error.message.startswith("No open session")
+    )
 
 
 class _Handler:

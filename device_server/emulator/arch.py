@@ -38,6 +38,22 @@ class Target:
     host_link_bytes_per_s: float
     ipu_link_bytes_per_s: float                 # all IPU-Links of one IPU
     power_watts: float | None
+    # ---- tile model (device_server/emulator/tiles, docs/tile_model.md): figures nobody
+    # publishes per chip; each is an assumption, kept here so it can be corrected in one place.
+    amp_fp16_input_channels: int = 16    # AMP consumes input channels (contraction) in groups of 16 (fp16)
+    amp_fp32_input_channels: int = 8     # ... and of 8 (fp32)
+    amp_fp16_output_channels: int = 16   # AMP produces output channels in groups of 16 (fp16; GC2: 8)
+    amp_fp32_output_channels: int = 8    # ... and of 8 (fp32; GC2: 4)
+    vector_bytes: int = 8                # one vector (64-bit) per worker instruction
+    flops_per_transcendental: float = 8.0  # vector instructions per exp/log/sqrt/divide/... element
+    available_memory_proportion: float = 0.6  # share of a tile a conv/matmul plan may use for temporaries (Poplar's default)
+    min_bytes_per_tile: int = 128        # linear mappings put at least this much on each tile used
+    vertex_state_bytes: int = 24         # per vertex (one multi-vertex per tile per compute set)
+    codelet_bytes: int = 384             # code of one vertex type on one tile
+    compute_set_control_bytes: int = 16  # control code per compute set on each tile it uses
+    exchange_code_bytes: int = 24        # per exchange on each receiving tile
+    exchange_code_bytes_per_source: int = 8  # per tile received from, on each receiving tile
+    host_link_latency_s: float = 5e-6    # fixed cost of one host transfer (each direction)
 
     @property
     def sram_bytes_per_ipu(self) -> int:
@@ -77,6 +93,8 @@ GC2 = Target(
     host_link_bytes_per_s=64e9,                # PCIe Gen4 x16 nominal (Louw s.II-III)
     ipu_link_bytes_per_s=192e9,                # C2 card: 3 links x 64 GB/s (Jia et al.)
     power_watts=150.0,                         # per IPU (iPUG)
+    amp_fp16_output_channels=8,                # assumption: half the GC200's AMP width
+    amp_fp32_output_channels=4,                # assumption: half the GC200's AMP width
 )
 
 GC200 = Target(

@@ -3,18 +3,29 @@
 Planning happens once, in :func:`compile_module`:
 
 * dead code elimination (only what the root of each computation needs is kept);
-* one slot per live value; ``get-tuple-element`` of a ``tuple``, ``copy``, same-shape
-  ``reshape`` and ``opt-barrier`` reuse their operand's slot instead of running;
+* one slot per live value; ``get-tuple-element`` of a ``tuple``, ``copy``, ``opt-barrier``
+  and ops that return their operand unchanged (same-shape ``reshape``/``bitcast``/
+  ``convert``/``concatenate``/``slice``, identity ``transpose``/``broadcast``) reuse their
+  operand's slot instead of running; a reshape of a reshape reshapes the first one's operand;
+* a ``broadcast`` whose users are all element-wise ops that broadcast like numpy (and have
+  another operand of the full shape) is not expanded: its operand, or a reshaped view of it,
+  goes to the users (``_lazy_broadcasts``);
 * constants, and instructions whose operands are all constants, are evaluated at compile time
-  and stored in a per-program template (constant folding);
-* every other instruction becomes a step ``(kernel_fn, operand_slots, out_slot, dead_slots)``
-  whose kernel function was built by its factory from the registry
-  (``device_server.emulator.kernels``); ``dead_slots`` drops values after their last use;
+  (constant folding);
+* every other instruction becomes a step ``(kernel_fn, operand_slots, out_slot)`` whose
+  kernel function was built by its factory from the registry
+  (``device_server.emulator.kernels``); a kernel may also offer an inline expression
+  (``kernels.inline``) and say it is a plain ufunc (``kernels.elementwise_ufunc``), so that a
+  ufunc step may write into the buffer of an operand nobody else can see (``_reuse_buffers``);
+* the steps become the source of one Python function per computation (``Program.source``):
+  values are its locals, constants its globals, big values are deleted after their last use;
+  a failing step is found from the traceback's line number, so the hot path keeps no counter;
 * called computations (``while``, ``call``, ``conditional``, reducers, comparators, ...) are
   compiled the same way, once each, and handed to kernels as plain functions.
 
-At run time a program copies its template (a list), stores the arguments and runs its steps:
-no shared mutable state, so one :class:`Executable` can run on several threads at once.
+At run time a program's function binds the arguments to locals and runs its steps: no shared
+mutable state (the globals are read-only constants and kernels), so one :class:`Executable`
+can run on several threads at once.
 """
 
 from __future__ import annotations
@@ -187,62 +198,147 @@ def _faulty(fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any
 
 
 class Program:
-    """One compiled computation: call it with its parameters' values."""
+    """One compiled computation: call it with its parameters' values.
 
-    __slots__ = ("name", "steps", "template", "param_slots", "root_slot", "instrs", "_call")
+    The steps are turned into the source of one Python function (``source``): every value
+    is a local variable, constants are globals of that function, and a step is either a
+    call of its kernel function (``v7 = k7([v3, c5])``) or, when the kernel offers one
+    (see ``kernels.inline``), an expression (``v7 = (v3 + s5)``). A failing step is found
+    from the line number of the traceback, so the hot path carries no bookkeeping.
+    """
+
+    __slots__ = ("name", "steps", "instrs", "source", "root_slot", "_call")
 
     def __init__(
         self,
         name: str,
-        steps: list[tuple[Callable[[Sequence[Any]], Any], tuple[int, ...], int, tuple[int, ...]]],
+        steps: list[_Step],
         instrs: list[ir_pb2.Instruction],
-        template: list[Any],
+        consts: dict[int, Any],
         param_slots: list[int],
         root_slot: int,
+        big_slots: frozenset[int] = frozenset(),
+        scalar_params: frozenset[int] = frozenset(),
     ) -> None:
         self.name = name
         self.steps = tuple(steps)
         self.instrs = instrs  # instrs[k] made steps[k]; for error messages
-        self.template = template
-        self.param_slots = tuple(param_slots)
         self.root_slot = root_slot
-        self._call = self._build()
-
-    def _build(self) -> Callable[[Sequence[Any]], Any]:
-        steps = self.steps
-        template = self.template
-        params = self.param_slots
-        root = self.root_slot
-        instrs = self.instrs
-        name = self.name
-
-        def call(args: Sequence[Any]) -> Any:
-            env = template.copy()
-            for slot, value in zip(params, args, strict=True):
-                env[slot] = value
-            k = 0
-            try:
-                for fn, ins, out, dead in steps:
-                    env[out] = fn([env[i] for i in ins])
-                    if dead:
-                        for d in dead:
-                            env[d] = None
-                    k += 1
-            except EmulatorError as e:
-                if k < len(instrs) and "while running" not in str(e):
-                    raise type(e)(f"{e} (while running {describe(instrs[k])})") from e
-                raise
-            except Exception as e:  # a kernel failed: name the instruction
-                raise ExecutionError(
-                    f"{describe(instrs[k])} in computation '{name}' failed: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
-            return env[root]
-
-        return call
+        self.source, self._call = _generate(name, self.steps, instrs, consts, param_slots,
+                                            root_slot, big_slots, scalar_params)
 
     def __call__(self, args: Sequence[Any]) -> Any:
         return self._call(args)
+
+
+@dataclass
+class _Step:
+    """One step: ``out = fn(ops)``, or ``out = <template formatted with the operands>``."""
+
+    fn: Callable[[Sequence[Any]], Any]
+    ins: tuple[int, ...]
+    out: int
+    template: str | None = None          # an inline expression, see kernels.inline
+    names: dict[str, Any] | None = None  # globals the template refers to
+    into: int = -1                       # >= 0: ``fn.ufunc(*ops, out=ops[into])``
+
+
+_FIRST_STEP_LINE = 4  # line of the first step in the generated source (1-based)
+
+
+def _generate(
+    name: str,
+    steps: tuple[_Step, ...],
+    instrs: list[ir_pb2.Instruction],
+    consts: dict[int, Any],
+    param_slots: list[int],
+    root_slot: int,
+    big_slots: frozenset[int],
+    scalar_params: frozenset[int],
+) -> tuple[str, Callable[[Sequence[Any]], Any]]:
+    g: dict[str, Any] = {}
+    var: dict[int, str] = {}
+    scalar_var: dict[int, str] = {}
+    for slot, value in consts.items():
+        var[slot] = f"c{slot}"
+        g[var[slot]] = value
+        if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biufc":
+            scalar_var[slot] = f"s{slot}"
+            g[scalar_var[slot]] = value[()]
+    for n, slot in enumerate(param_slots):
+        var[slot] = f"p{n}"
+    for k, st in enumerate(steps):
+        var[st.out] = f"v{k}"
+
+    # Big values are dropped after their last use (the others live until the call ends).
+    last_use: dict[int, int] = {}
+    for k, st in enumerate(steps):
+        for s in st.ins:
+            if s in big_slots:
+                last_use[s] = k
+    dels: list[list[str]] = [[] for _ in steps]
+    for s, k in last_use.items():
+        if s != root_slot and s not in consts:
+            dels[k].append(var[s])
+
+    lines = ["def run(args):"]
+    if param_slots:
+        # Scalar parameters become numpy scalars: arithmetic on 0-d arrays is much slower.
+        unpack = ", ".join(var[s] for s in param_slots) + ", = args"
+        scalars = [var[s] for s in param_slots if s in scalar_params]
+        if scalars:
+            unpack += "; " + "; ".join(f"{v} = {v}[()]" for v in scalars)
+        lines.append("    " + unpack)
+    else:
+        lines.append("    () = args")
+    lines.append("    try:")
+    assert len(lines) == _FIRST_STEP_LINE - 1
+    for k, st in enumerate(steps):
+        if st.into >= 0:
+            g[f"u{k}"] = st.fn.ufunc  # type: ignore[attr-defined]
+            ops = [var[s] for s in st.ins]
+            expr = f"u{k}({', '.join(ops)}, out={ops[st.into]})"
+        elif st.template is not None:
+            ops = [scalar_var.get(s, var[s]) for s in st.ins]
+            names = {}
+            for key, value in (st.names or {}).items():
+                names[key] = f"g{k}_{key}"
+                g[names[key]] = value
+            expr = st.template.format(*ops, **names)
+        else:
+            g[f"k{k}"] = st.fn
+            expr = f"k{k}([{', '.join(var[s] for s in st.ins)}])"
+        line = f"        {var[st.out]} = {expr}"
+        if dels[k]:
+            line += "; del " + ", ".join(dels[k])
+        lines.append(line)
+    if not steps:
+        lines.append("        pass")
+    lines.append("    except Exception as e:")
+    lines.append("        x = fail(e)")
+    lines.append("        if x is None:")
+    lines.append("            raise")
+    lines.append("        raise x from e")
+    lines.append(f"    return {var[root_slot]}")
+    source = "\n".join(lines) + "\n"
+
+    def fail(e: Exception) -> Exception | None:
+        tb = e.__traceback__
+        k = -1 if tb is None else tb.tb_lineno - _FIRST_STEP_LINE
+        if not 0 <= k < len(instrs):
+            return None
+        if isinstance(e, EmulatorError):
+            if "while running" not in str(e):
+                return type(e)(f"{e} (while running {describe(instrs[k])})")
+            return None
+        return ExecutionError(
+            f"{describe(instrs[k])} in computation '{name}' failed: {type(e).__name__}: {e}"
+        )
+
+    g["fail"] = fail
+    code = compile(source, f"<emulator computation '{name}'>", "exec")
+    exec(code, g)
+    return source, g["run"]
 
 
 class _Context:
@@ -415,8 +511,10 @@ class _Compiler:
         template: list[Any] = []
         is_const: list[bool] = []
         params: dict[int, int] = {}
-        raw_steps: list[tuple[Callable[[Sequence[Any]], Any], tuple[int, ...], int, ir_pb2.Instruction]] = []
+        raw_steps: list[tuple[_Step, ir_pb2.Instruction]] = []
         fault = self.options.fault_inject_opcode
+        lazy = _lazy_broadcasts(live, by_id, comp.root_id, fault)
+        reshaped: dict[int, tuple[int, tuple[int, ...]]] = {}  # reshape id -> (source slot, dims)
 
         def new_slot(value: Any = None, const: bool = False) -> int:
             template.append(value)
@@ -441,11 +539,7 @@ class _Compiler:
                 slot_of[instr.id] = new_slot(value, const=True)
                 continue
             if op != fault:
-                if op in _FORWARDING and len(in_slots) == 1:
-                    slot_of[instr.id] = in_slots[0]
-                    continue
-                if op == "reshape" and tuple(operands[0].shape.dims) == tuple(instr.shape.dims) \
-                        and operands[0].shape.dtype == instr.shape.dtype:
+                if (op in _FORWARDING and len(in_slots) == 1) or _is_identity(instr, operands):
                     slot_of[instr.id] = in_slots[0]
                     continue
                 if op == "get-tuple-element" and operands[0].opcode == "tuple" \
@@ -456,13 +550,37 @@ class _Compiler:
                         raise InvalidProgramError(f"{describe(instr)}: tuple index {idx} out of range.")
                     slot_of[instr.id] = slot_of[src[idx]]
                     continue
-            ctx = _Context(self, instr, operands)
-            try:
-                fn = kernels.REGISTRY[op](ctx)
-            except EmulatorError:
-                raise
-            except Exception as e:
-                raise InvalidProgramError(f"{describe(instr)}: cannot compile: {type(e).__name__}: {e}") from e
+            if op in ("reshape", "bitcast") and op != fault and not instr.shape.is_tuple \
+                    and operands[0].id in reshaped and operands[0].shape.dtype == instr.shape.dtype:
+                # A reshape of a reshape: one reshape of the first one's operand (or nothing).
+                src_slot, src_dims = reshaped[operands[0].id]
+                dims = tuple(int(d) for d in instr.shape.dims)
+                reshaped[instr.id] = (src_slot, src_dims)
+                if dims == src_dims:
+                    slot_of[instr.id] = src_slot
+                    continue
+                in_slots = (src_slot,)
+                fn = _reshaper(dims)
+            elif instr.id in lazy:
+                # Broadcast only into element-wise ops that broadcast like numpy: pass the
+                # operand on (trailing dimensions), or a reshaped view of it.
+                expanded = lazy[instr.id]
+                if expanded is None:
+                    slot_of[instr.id] = in_slots[0]
+                    continue
+                fn = _reshaper(expanded)
+            else:
+                if op in ("reshape", "bitcast") and op != fault and not instr.shape.is_tuple \
+                        and not operands[0].shape.is_tuple \
+                        and operands[0].shape.dtype == instr.shape.dtype:
+                    reshaped[instr.id] = (in_slots[0], tuple(int(d) for d in operands[0].shape.dims))
+                ctx = _Context(self, instr, operands)
+                try:
+                    fn = kernels.REGISTRY[op](ctx)
+                except EmulatorError:
+                    raise
+                except Exception as e:
+                    raise InvalidProgramError(f"{describe(instr)}: cannot compile: {type(e).__name__}: {e}") from e
             if op == fault:
                 fn = _faulty(fn)
             foldable = (
@@ -478,12 +596,17 @@ class _Compiler:
                         f"{describe(instr)}: failed on constant operands: {type(e).__name__}: {e}"
                     ) from e
                 if _nbytes(value) <= _FOLD_LIMIT_BYTES or _is_view(value):
-                    self._check_shape(instr, value)
+                    if instr.id in lazy:
+                        value = np.asarray(value)
+                    else:
+                        self._check_shape(instr, value)
                     slot_of[instr.id] = new_slot(_freeze(value), const=True)
                     continue
             out = new_slot()
             slot_of[instr.id] = out
-            raw_steps.append((fn, in_slots, out, instr))
+            inline = getattr(fn, "inline", None)
+            step = _Step(fn, in_slots, out, *(inline if inline is not None else (None, None)))
+            raw_steps.append((step, instr))
 
         if comp.root_id not in slot_of:
             raise InvalidProgramError(f"computation '{comp.name}': root was not compiled.")
@@ -493,20 +616,28 @@ class _Compiler:
             raise InvalidProgramError(
                 f"computation '{comp.name}': parameter numbers {sorted(params)} are not 0..{n_params - 1}."
             )
-        # Liveness: drop a non-constant value after its last use (never the root).
-        last_use: dict[int, int] = {}
-        for k, (_, ins, _, _) in enumerate(raw_steps):
-            for s in ins:
-                if not is_const[s]:
-                    last_use[s] = k
-        dead_at: list[list[int]] = [[] for _ in raw_steps]
-        for s, k in last_use.items():
-            if s != root_slot:
-                dead_at[k].append(s)
-        steps = [(fn, ins, out, tuple(dead_at[k])) for k, (fn, ins, out, _) in enumerate(raw_steps)]
+        # Steps that rewriting (reshape chains) left without users.
+        needed = {root_slot}
+        kept: list[tuple[_Step, ir_pb2.Instruction]] = []
+        for step, instr in reversed(raw_steps):
+            if step.out in needed:
+                needed.update(step.ins)
+                kept.append((step, instr))
+        raw_steps = kept[::-1]
+        _reuse_buffers(raw_steps, root_slot)
+        big = frozenset(
+            step.out for step, instr in raw_steps if _static_nbytes(instr.shape) >= _DROP_BYTES
+        ) | frozenset(params[n] for n in params if _static_nbytes(
+            next(i for i in live if i.opcode == "parameter" and i.parameter_number == n).shape
+        ) >= _DROP_BYTES)
+        consts = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
+        scalar_params = frozenset(
+            params[i.parameter_number] for i in live if i.opcode == "parameter"
+            and not i.shape.is_tuple and i.shape.dtype != ir_pb2.TOKEN and not i.shape.dims
+        )
         return Program(
-            comp.name, steps, [i for *_, i in raw_steps], template,
-            [params[n] for n in range(n_params)], root_slot,
+            comp.name, [st for st, _ in raw_steps], [i for _, i in raw_steps], consts,
+            [params[n] for n in range(n_params)], root_slot, big, scalar_params,
         )
 
     @staticmethod
@@ -520,6 +651,136 @@ class _Compiler:
                 f"{describe(instr)}: produced {a.dtype}{list(a.shape)}, its shape says "
                 f"{dt}{list(shape)}."
             )
+
+
+# Values at least this big are dropped after their last use inside a computation.
+_DROP_BYTES = 1 << 16
+# Element-wise opcodes whose kernels broadcast operands like numpy (and whose results do not
+# depend on the operands' memory layout), so a broadcast operand may stay unexpanded.
+_NUMPY_BROADCASTING = frozenset(
+    {"add", "subtract", "multiply", "divide", "maximum", "minimum", "compare", "select",
+     "and", "or", "xor"}
+)
+
+
+def _static_nbytes(shape: ir_pb2.Shape) -> int:
+    if shape.is_tuple:
+        return sum(_static_nbytes(s) for s in shape.tuple_shapes)
+    if shape.dtype == ir_pb2.TOKEN:
+        return 0
+    return int(np.prod(shape.dims, dtype=np.int64)) * dtypes.to_numpy(shape.dtype).itemsize
+
+
+def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) -> bool:
+    """Whether ``instr`` returns its only operand unchanged (same shape and type)."""
+    if len(operands) != 1 or instr.shape.is_tuple or operands[0].shape.is_tuple:
+        return False
+    src = operands[0].shape
+    if src.dtype != instr.shape.dtype or tuple(src.dims) != tuple(instr.shape.dims):
+        return False
+    op = instr.opcode
+    if op in ("reshape", "bitcast", "convert", "concatenate"):
+        return True
+    if op == "slice":
+        strides = instr.attrs["strides"].ints.values if "strides" in instr.attrs else ()
+        return all(int(s) == 1 for s in strides)
+    if op == "transpose":
+        perm = tuple(instr.attrs["permutation"].ints.values) if "permutation" in instr.attrs else ()
+        return perm == tuple(range(len(perm)))
+    if op == "broadcast":
+        dims = tuple(instr.attrs["dimensions"].ints.values) if "dimensions" in instr.attrs else ()
+        return dims == tuple(range(len(dims)))
+    return False
+
+
+def _lazy_broadcasts(
+    live: list[ir_pb2.Instruction], by_id: dict[int, ir_pb2.Instruction], root_id: int, fault: str
+) -> dict[int, tuple[int, ...] | None]:
+    """Broadcasts that need not be expanded: every user is an element-wise op that
+    broadcasts like numpy and has another operand of the full shape (not a broadcast, or an
+    earlier broadcast that is expanded).
+    Maps the broadcast's id to None (its operand can be used as it is: it lines up with the
+    trailing dimensions) or to the shape to reshape its operand to."""
+    users: dict[int, list[ir_pb2.Instruction]] = {}
+    for instr in live:
+        for o in instr.operands:
+            users.setdefault(o, []).append(instr)
+    out: dict[int, tuple[int, ...] | None] = {}
+    expanded_ids: set[int] = set()  # broadcasts decided to be expanded (full-shaped values)
+    for instr in live:
+        if instr.opcode != "broadcast":
+            continue
+        expanded_ids.add(instr.id)  # until it qualifies below
+        if instr.opcode == fault or instr.id == root_id:
+            continue
+        if instr.shape.is_tuple or len(instr.operands) != 1:
+            continue
+        dims = tuple(int(d) for d in instr.attrs["dimensions"].ints.values) \
+            if "dimensions" in instr.attrs else ()
+        src = by_id[instr.operands[0]].shape
+        out_dims = tuple(int(d) for d in instr.shape.dims)
+        in_dims = tuple(int(d) for d in src.dims)
+        if src.is_tuple or src.dtype != instr.shape.dtype or len(dims) != len(in_dims):
+            continue
+        if list(dims) != sorted(dims) or len(set(dims)) != len(dims):
+            continue  # a transposing broadcast
+        if any(not 0 <= d < len(out_dims) or in_dims[i] != out_dims[d] for i, d in enumerate(dims)):
+            continue
+        us = users.get(instr.id, [])
+        if not us:
+            continue
+        ok = True
+        for u in us:
+            if u.opcode not in _NUMPY_BROADCASTING or u.shape.is_tuple:
+                ok = False
+                break
+            full = tuple(u.shape.dims)
+            if not any(
+                o != instr.id and (by_id[o].opcode != "broadcast" or o in expanded_ids)
+                and not by_id[o].shape.is_tuple and tuple(by_id[o].shape.dims) == full
+                for o in u.operands
+            ):
+                ok = False
+                break
+        if not ok:
+            continue
+        expanded_ids.discard(instr.id)
+        if dims == tuple(range(len(out_dims) - len(dims), len(out_dims))):
+            out[instr.id] = None
+        else:
+            expanded = [1] * len(out_dims)
+            for i, d in enumerate(dims):
+                expanded[d] = in_dims[i]
+            out[instr.id] = tuple(expanded)
+    return out
+
+
+def _reuse_buffers(steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int) -> None:
+    """Lets a plain-ufunc step write into an operand's buffer when that operand is a new
+    array made by another plain-ufunc step (same dtype and shape) and this step is its only
+    user, so no other value can see the buffer (sets ``_Step.into``)."""
+    producer: dict[int, ir_pb2.Instruction] = {}
+    users: dict[int, set[int]] = {}
+    for k, (step, instr) in enumerate(steps):
+        for s in step.ins:
+            users.setdefault(s, set()).add(k)
+        if getattr(step.fn, "ufunc", None) is not None and not instr.shape.is_tuple \
+                and len(instr.shape.dims) > 0:
+            producer[step.out] = instr
+    for k, (step, instr) in enumerate(steps):
+        if getattr(step.fn, "ufunc", None) is None or instr.shape.is_tuple or not instr.shape.dims:
+            continue
+        for j, s in enumerate(step.ins):
+            made = producer.get(s)
+            if made is None or s == root_slot or users.get(s) != {k}:
+                continue
+            if made.shape.dtype == instr.shape.dtype and tuple(made.shape.dims) == tuple(instr.shape.dims):
+                step.into = j
+                break
+
+
+def _reshaper(shape: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
+    return kernels.shapes.reshape_kernel(shape)
 
 
 def _is_view(value: Any) -> bool:

@@ -133,6 +133,7 @@ def lower_function(
             f"{name}: the lowered program has {n_params} parameters but the function has "
             f"{len(arg_specs)} arguments and {len(concrete.captured_inputs)} captured inputs."
         )
+    _annotate_parameters(entry, params)
     root = next(i for i in entry.instructions if i.id == entry.root_id)
     out_shapes = _flat_shapes(root.shape)
     flat_results = _flatten_results(holder["structure"])
@@ -171,6 +172,22 @@ def lower_function(
         module=module,
         captured_kinds=[p["kind"] for p in params[len(arg_specs):]],
     )
+
+
+_PARAM_KINDS = {"arg": "argument", "var": "variable", "const": "constant"}
+
+
+def _annotate_parameters(entry: ir_pb2.Computation, params: list[dict[str, Any]]) -> None:
+    """Says in each entry parameter's ``source_type`` whether it is an argument (streamed from
+    the host each call), a variable (resident on the device) or a captured constant, and names
+    variables in ``source_op`` (their layer, for memory reports); see docs/ir.md."""
+    for instr in entry.instructions:
+        if instr.opcode != "parameter" or instr.parameter_number >= len(params):
+            continue
+        p = params[instr.parameter_number]
+        instr.source_type = _PARAM_KINDS[p["kind"]]
+        if p["kind"] == "var":
+            instr.source_op = str(p["name"]).split(":")[0]
 
 
 def _flat_shapes(shape: ir_pb2.Shape) -> list[tuple[int, tuple[int, ...]]]:

@@ -4,10 +4,13 @@
     execute time:  KernelFn(operands: list[np.ndarray | tuple]) -> np.ndarray | tuple
 
 A factory does all attribute parsing, shape arithmetic and index precomputation once, when
-the program is compiled; the function it returns does only arithmetic. Tuple-shaped values
-are Python tuples of arrays. Kernels implement XLA's published operation semantics
-(https://openxla.org/xla/operation_semantics) with numpy as the building block; they never
-hand work to XLA, TensorFlow or JAX.
+the program is compiled; the function it returns does only arithmetic. It may also mark the
+function with an equivalent Python expression (:func:`inline`), which the compiler writes into
+the generated program instead of a call, and as a plain ufunc (:func:`elementwise_ufunc`).
+Values may be numpy scalars as well as arrays (scalar arithmetic stays in numpy scalars);
+tuple-shaped values are Python tuples of them. Kernels implement XLA's published operation
+semantics (https://openxla.org/xla/operation_semantics) with numpy as the building block;
+they never hand work to XLA, TensorFlow or JAX.
 """
 
 from __future__ import annotations
@@ -44,6 +47,27 @@ class KernelContext(Protocol):
     def reducer_ufunc(self, index: int) -> np.ufunc | None:
         """If the index-th called computation is a plain binary op of its two parameters
         (add, multiply, maximum, minimum, and, or, xor), the matching numpy ufunc."""
+
+
+def inline(fn: KernelFn, template: str, **names: Any) -> KernelFn:
+    """Marks ``fn`` as computable by a Python expression, which the compiler writes into the
+    program's generated code instead of a call of ``fn`` (saving a call and a list).
+
+    ``template`` is a ``str.format`` pattern: ``{0}``, ``{1}``... are the operands, other
+    fields are ``names`` (any Python objects, e.g. ufuncs or shapes). It must compute exactly
+    what ``fn`` computes for any operands the kernel accepts, including numpy scalars, 0-d
+    arrays and, when the op may sit in a computation called element-wise, whole arrays.
+    Example: ``inline(lambda ops: np.add(ops[0], ops[1]), "{f}({0}, {1})", f=np.add)``.
+    """
+    fn.inline = (template, names)  # type: ignore[attr-defined]
+    return fn
+
+
+def elementwise_ufunc(fn: KernelFn, ufunc: np.ufunc) -> KernelFn:
+    """Marks ``fn`` as exactly ``ufunc(*ops)`` (numpy broadcasting, a new array), so the
+    compiler may pass ``out=`` an operand's buffer when nothing else can see that buffer."""
+    fn.ufunc = ufunc  # type: ignore[attr-defined]
+    return fn
 
 
 Factory = Callable[[KernelContext], KernelFn]

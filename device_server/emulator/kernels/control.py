@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator.kernels import KernelContext, KernelFn, register
+from device_server.emulator.kernels import KernelContext, KernelFn, inline, register
 
 
 @register("parameter")
@@ -29,13 +29,17 @@ def _constant(ctx: KernelContext) -> KernelFn:
 
 @register("tuple")
 def _tuple(ctx: KernelContext) -> KernelFn:
-    return tuple
+    n = len(ctx.instr.operands)
+    return inline(lambda ops: tuple(ops), "(" + "".join(f"{{{i}}}, " for i in range(n)) + ")")
 
 
 @register("get-tuple-element")
 def _gte(ctx: KernelContext) -> KernelFn:
-    index = ctx.attr("index", 0)
-    return lambda ops: ops[0][index]
+    index = int(ctx.attr("index", 0))
+    if ctx.out_dtype is not None and ctx.out_shape == ():
+        # A scalar leaves the tuple as a numpy scalar (cheap arithmetic downstream).
+        return inline(lambda ops: ops[0][index][()], f"{{0}}[{index}][()]")
+    return inline(lambda ops: ops[0][index], f"{{0}}[{index}]")
 
 
 @register("opt-barrier", "add-dependency")

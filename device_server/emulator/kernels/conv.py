@@ -14,9 +14,17 @@ Plan (made once, when the program is compiled):
 - every window position is then visible through one strided view of the frame; blocks of
   output rows are copied out of it (im2col, a few MiB at a time) and multiplied with the
   kernel, one ``matmul`` per block batched over the groups;
-- a 1x1 stride-1 unpadded convolution is a single matmul of the input; a depthwise
-  convolution (one input feature per group) is a sum over window positions of the strided
-  view times the kernel tap.
+- a 1x1 stride-1 unpadded convolution is a single matmul of the input;
+- a depthwise convolution (one input feature per group) is, per cache-sized block of output
+  rows, one ``einsum`` of the strided view with the taps (no im2col copy);
+- few output positions under a large window with the batch stored after the features (the
+  weight gradient of a convolution: ``Conv2DBackpropFilter``) loops over the output positions
+  instead, each a matmul of one window slab of a ``(feature, spatial..., batch)`` frame, which
+  for NHWC activations needs no transposition at all.
+
+Speed: see ``test_bench_conv_vs_tf`` in ``tests/test_emulator_spatial.py``. numpy's OpenBLAS
+threads spin-wait; on an oversubscribed machine, single-threaded BLAS
+(``OPENBLAS_NUM_THREADS=1``) was 2-10x faster for these shapes.
 
 Attributes read (names as written by ``tf_ipu.lowering.hlo_to_ir``):
 ``input_batch_dimension``, ``input_feature_dimension``, ``input_spatial_dimensions``,
@@ -51,7 +59,7 @@ from device_server.emulator.kernels.window import (
 # Elements of one im2col block: bounds the scratch memory of a convolution (4 MiB in f32).
 _BLOCK_ELEMENTS = 1 << 20
 # Elements of one block of depthwise outputs: small enough to stay in cache.
-_DEPTHWISE_BLOCK_ELEMENTS = 1 << 15
+_DEPTHWISE_BLOCK_ELEMENTS = 1 << 16
 
 
 def _blocks(nb: int, o1: int, inner: int, row_budget: int) -> list[tuple[int, int, int, int]]:
@@ -139,14 +147,54 @@ def convolution(ctx: KernelContext) -> KernelFn:
     any_reverse = any(ws.reversal)
     pointwise = kp == 1 and groups == 1 and frame == sp and all(s == 1 for s in ws.strides)
     depthwise = gf > 1 and cg == 1
-    kappas = list(itertools.product(*(range(v) for v in ks)))
     row_budget = max(1, _BLOCK_ELEMENTS // max(1, groups * kc))
     blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
     max_rows = max((b[1] - b[0]) * (b[3] - b[2]) * math.prod(os_[1:]) for b in blocks) if blocks else 0
     trivial = rows == 0 or kc == 0
-    lead = (slice(None),) * (1 + len(os_))
+    letters = "abcdefghijklmnopqrstuvwxy"
+    out_letters, win_letters = letters[: 1 + len(os_)], letters[1 + len(os_): 1 + 2 * len(os_)]
+    dw_subscripts = f"{out_letters}{win_letters}z,{win_letters}z->{out_letters}z"
     dw_blocks = _blocks(n, os_[0], math.prod(os_[1:]), max(1, _DEPTHWISE_BLOCK_ELEMENTS // max(1, c)))
-    dw_max_rows = max((b[1] - b[0]) * (b[3] - b[2]) * math.prod(os_[1:]) for b in dw_blocks) if dw_blocks else 0
+
+    # Few output positions under a large window (weight gradients: the "window" is the image)
+    # with the batch after the features in memory: loop over output positions, contracting
+    # each window slab of a feature-first frame (features, spatial..., batch) with the kernel.
+    by_position = (not depthwise and not pointwise and math.prod(os_) <= 256 and kp >= math.prod(os_)
+                   and ib > i_f)
+    positions = list(itertools.product(*(range(v) for v in os_)))
+
+    def prepare_input_feature_first(lhs: np.ndarray) -> np.ndarray:
+        x = lhs.transpose((i_f, *isp, ib)).reshape((c, *sp, n))
+        if needs_frame:
+            buf = np.zeros((c, *frame, n), cdt)
+            if place is not None:
+                buf[(slice(None), *place[1], slice(None))] = x[(slice(None), *place[0], slice(None))]
+            return buf
+        if crop is not None:
+            x = x[(slice(None), *crop[0], slice(None))]
+        return np.ascontiguousarray(x, dtype=cdt)
+
+    def run_by_position(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        p = prepare_input_feature_first(lhs)
+        kern = rhs.transpose((k_in, *ksp, k_out)).reshape((cg, *ks, ko))
+        if any_reverse:
+            kern = kern[(slice(None), *reverse)]
+        # (groups, in-feature x window, out) with rows ordered (feature, window position).
+        kern = np.ascontiguousarray(kern.reshape(cg * kp, groups, og).transpose(1, 0, 2), dtype=cdt)
+        out = np.empty((nb, *os_, ko), cdt)
+        for pos in positions:
+            slab = p[(slice(None), *(slice(o * st, o * st + (kk - 1) * d + 1, d) for o, st, kk, d in
+                                     zip(pos, ws.strides, ks, ws.window_dilation, strict=True)), slice(None))]
+            dst = out[(slice(None), *pos, slice(None))]  # (nb, ko)
+            if groups == 1:
+                np.matmul(slab.reshape(kc, n).T, kern[0], out=dst)
+            elif gb > 1:  # batch groups: the batch is (group, nb)
+                a = slab.reshape(kc, gb, nb).transpose(1, 2, 0)
+                dst.reshape(nb, gb, og)[...] = np.matmul(a, kern).transpose(1, 0, 2)
+            else:  # feature groups: the features are (group, cg)
+                a = slab.reshape(gf, kc, n).transpose(0, 2, 1)
+                dst.reshape(n, gf, og)[...] = np.matmul(a, kern).transpose(1, 0, 2)
+        return finish(out)
 
     def prepare_input(lhs: np.ndarray) -> np.ndarray:
         x = lhs.transpose(lhs_perm).reshape((n, *sp, c))
@@ -189,31 +237,25 @@ def convolution(ctx: KernelContext) -> KernelFn:
                                  f"compiled for {list(lhs_shape)} and {list(rhs_shape)}.")
         if trivial:
             return np.zeros(out_shape, out_dt)
+        if by_position:
+            return run_by_position(lhs, rhs)
         p = prepare_input(lhs)
         kern = prepare_kernel(rhs)
         if pointwise:
             res = np.matmul(p.reshape(rows, c), kern[0])
             return finish(res)
         if depthwise:
-            # One input feature per group: a sum over window taps of the strided view times
-            # the tap's weights, in cache-sized blocks of output rows. The channel multiplier
-            # is the outer axis while accumulating, so every pass runs along the features.
+            # One input feature per group: per block of output rows (sized to stay in cache)
+            # and per channel multiplier, one einsum sums the window taps of the strided view
+            # times their weights, without temporaries.
             view = windows(p, grouped=False)
-            taps = kern.reshape(groups, kp, og).transpose(2, 1, 0)  # (multiplier, taps, c)
+            taps = kern.reshape(groups, *ks, og)  # (c, window..., multiplier)
+            taps = np.ascontiguousarray(np.moveaxis(taps, (0, -1), (-1, 0)))  # (multiplier, window..., c)
             out = np.empty((og, n, *os_, c), cdt)
-            tmp = np.empty(dw_max_rows * c, cdt)
             for n0, n1, a0, a1 in dw_blocks:
                 vb = view[n0:n1, a0:a1]
                 for m in range(og):
-                    acc = out[m, n0:n1, a0:a1]
-                    t = tmp[: acc.size].reshape(acc.shape)
-                    for j, kap in enumerate(kappas):
-                        v = vb[(*lead, *kap)]
-                        if j == 0:
-                            np.multiply(v, taps[m, 0], out=acc)
-                        else:
-                            np.multiply(v, taps[m, j], out=t)
-                            acc += t
+                    np.einsum(dw_subscripts, vb, taps[m], out=out[m, n0:n1, a0:a1])
             return finish(np.moveaxis(out, 0, -1) if og > 1 else out[0])
         view = windows(p, grouped=True)
         out = np.empty((nb, *os_, ko), cdt)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator.kernels import KernelContext, KernelFn, register
+from device_server.emulator.kernels import KernelContext, KernelFn, inline, register
 
 
 def _compute_dtype(out: np.dtype, lhs: np.dtype, rhs: np.dtype) -> np.dtype:
@@ -64,6 +64,20 @@ def _dot(ctx: KernelContext) -> KernelFn:
     cdt = _compute_dtype(out_dt, ctx.operand_dtypes[0], ctx.operand_dtypes[1])
     lhs3, rhs3 = (B, M, K), (B, K, N)
     two_d = B == 1 and not lb
+
+    if two_d and len(lf) == len(lc) == len(rf) == len(rc) == 1 and out_dt == cdt \
+            and ctx.operand_dtypes[0] == cdt and ctx.operand_dtypes[1] == cdt:
+        # A plain matrix product: np.matmul of the operands or their transposed views (the
+        # same views the general path below makes).
+        lt = "" if lperm_t is None else ".T"
+        rt = "" if rperm_t is None else ".T"
+
+        def run2(ops: Sequence[Any]) -> np.ndarray:
+            lhs = np.asarray(ops[0])
+            rhs = np.asarray(ops[1])
+            return np.matmul(lhs if lperm_t is None else lhs.T, rhs if rperm_t is None else rhs.T)
+
+        return inline(run2, f"{{m}}({{0}}{lt}, {{1}}{rt})", m=np.matmul)
 
     def run(ops: Sequence[Any]) -> np.ndarray:
         lhs = np.asarray(ops[0])

@@ -16,7 +16,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from device_server.emulator.kernels import KernelContext, KernelFn, register
+from device_server.emulator.kernels import (
+    KernelContext,
+    KernelFn,
+    elementwise_ufunc,
+    inline,
+    register,
+)
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -27,6 +33,29 @@ def _is_float(dt: np.dtype | None) -> bool:
 
 def _is_16bit_float(dt: np.dtype | None) -> bool:
     return dt is not None and dt in (np.dtype(np.float16), _BF16)
+
+
+def _native(dt: np.dtype | None) -> bool:
+    """Types whose numpy scalars do arithmetic exactly as the ufuncs do (float32/64 and
+    integers): Python operators on them may stand in for ufunc calls."""
+    return dt is not None and (dt.kind in "iu" or (dt.kind == "f" and dt.itemsize in (4, 8)))
+
+
+def _ufunc_kernel(fn: Any, arity: int) -> KernelFn:
+    """A kernel that is just ``fn(*ops)``, marked so the compiler calls ``fn`` directly (and,
+    for a numpy ufunc, may hand it an ``out=`` buffer: see ``kernels.elementwise_ufunc``)."""
+    if arity == 1:
+        kernel: KernelFn = lambda ops: fn(ops[0])  # noqa: E731
+        kernel = inline(kernel, "{f}({0})", f=fn)
+    elif arity == 2:
+        kernel = lambda ops: fn(ops[0], ops[1])  # noqa: E731
+        kernel = inline(kernel, "{f}({0}, {1})", f=fn)
+    else:
+        kernel = lambda ops: fn(ops[0], ops[1], ops[2])  # noqa: E731
+        kernel = inline(kernel, "{f}({0}, {1}, {2})", f=fn)
+    if isinstance(fn, np.ufunc) and fn.nin == arity and fn.nout == 1:
+        elementwise_ufunc(kernel, fn)
+    return kernel
 
 
 def _via_f32(fn: Callable[[np.ndarray], Any], dt: np.dtype) -> Callable[[np.ndarray], Any]:
@@ -165,7 +194,9 @@ def _unary(ctx: KernelContext) -> KernelFn:
     fn = _FLOAT_UNARY[op]
     if _is_16bit_float(dt) and (op in _F32_FOR_16BIT or dt == _BF16):
         fn = _via_f32(fn, dt)
-    return lambda ops: fn(ops[0])
+    if op == "negate" and _native(dt):
+        return inline(lambda ops: fn(ops[0]), "(-{0})")
+    return _ufunc_kernel(fn, 1)
 
 
 @register("is-finite")
@@ -328,13 +359,20 @@ def _binary(ctx: KernelContext) -> KernelFn:
         def via32(ops: Sequence[Any]) -> np.ndarray:
             return np.asarray(fn(np.asarray(ops[0], np.float32), np.asarray(ops[1], np.float32))).astype(dt)
         return via32
-    return lambda ops: fn(ops[0], ops[1])
+    symbol = _OPERATORS.get(op)
+    if symbol is not None and _native(dt) and ctx.out_shape == () and (dt.kind == "f" or op != "divide"):
+        # Scalars: numpy scalar arithmetic is the ufunc's, without the ufunc call.
+        return inline(lambda ops: fn(ops[0], ops[1]), f"({{0}} {symbol} {{1}})")
+    return _ufunc_kernel(fn, 2)
+
+
+_OPERATORS = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
 
 
 @register("and", "or", "xor")
 def _bitwise(ctx: KernelContext) -> KernelFn:
     fn = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[ctx.instr.opcode]
-    return lambda ops: fn(ops[0], ops[1])
+    return _ufunc_kernel(fn, 2)
 
 
 @register("shift-left", "shift-right-logical", "shift-right-arithmetic")
@@ -375,7 +413,10 @@ def _compare_kernel(ctx: KernelContext) -> KernelFn:
         return lambda ops: fn(total_order_key(ops[0], dt), total_order_key(ops[1], dt))
     if dt is not None and dt.kind == "c" and direction not in ("EQ", "NE"):
         raise ValueError(f"complex numbers have no order ({direction})")
-    return lambda ops: fn(ops[0], ops[1])
+    if _native(dt) and ctx.out_shape == ():
+        symbol = {"EQ": "==", "NE": "!=", "LT": "<", "LE": "<=", "GT": ">", "GE": ">="}[direction]
+        return inline(lambda ops: fn(ops[0], ops[1]), f"({{0}} {symbol} {{1}})")
+    return _ufunc_kernel(fn, 2)
 
 
 # --------------------------------------------------------------------------------- ternary
@@ -385,7 +426,59 @@ def _compare_kernel(ctx: KernelContext) -> KernelFn:
 def _select(ctx: KernelContext) -> KernelFn:
     if ctx.out_dtype is None:  # tuple select (old HLO): pick a whole operand
         return lambda ops: ops[1] if ops[0] else ops[2]
-    return lambda ops: np.where(ops[0], ops[1], ops[2])
+    if ctx.out_shape == ():
+        # A numpy bool scalar picks an operand as it is; anything else (a 0-d array, or
+        # whole arrays when the computation is applied element-wise) goes to np.where.
+        return inline(
+            lambda ops: np.where(ops[0], ops[1], ops[2]),
+            "({1} if {0} is {t} else {2} if {0} is {f} else {w}({0}, {1}, {2}))",
+            t=np.True_, f=np.False_, w=np.where,
+        )
+    fn = _bitwise_select(ctx.out_dtype, ctx.out_shape)
+    if fn is None:
+        return _ufunc_kernel(np.where, 3)
+    return inline(lambda ops: fn(ops[0], ops[1], ops[2]), "{f}({0}, {1}, {2})", f=fn)
+
+
+# Selects of at least this many elements pick bits with integer masks (np.where branches per
+# element: slow on unpredictable masks); of at least _ZERO_SELECT_MIN when the "false" value
+# is a scalar +0 (ReLU gradients), which needs a single AND.
+_BITWISE_SELECT_MIN = 4096
+_ZERO_SELECT_MIN = 256
+
+
+def _bitwise_select(dt: np.dtype, shape: tuple[int, ...]) -> Callable[[Any, Any, Any], Any] | None:
+    """``np.where(p, a, b)`` computed on the bit patterns, bit for bit the same result:
+    ``b ^ ((a ^ b) & m)`` with ``m`` all ones where ``p``; ``a & m`` when ``b`` is +0."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if dt.itemsize not in (1, 2, 4, 8) or dt.kind == "c" or size < _ZERO_SELECT_MIN:
+        return None
+    bits = np.dtype(f"i{dt.itemsize}")
+    general = size >= _BITWISE_SELECT_MIN
+    where = np.where
+    xor, band, neg = np.bitwise_xor, np.bitwise_and, np.negative
+
+    def run(p: Any, a: Any, b: Any) -> Any:
+        b = np.asarray(b)
+        zero = b.ndim == 0 and not b.view(bits)
+        if not (zero or general):
+            return where(p, a, b)
+        m = np.asarray(p).astype(bits)
+        a = np.asarray(a).view(bits)
+        if m.shape != shape:
+            m = neg(m)
+            out = band(a, m) if zero else xor(b.view(bits), band(xor(a, b.view(bits)), m))
+            return np.asarray(out).view(dt)
+        neg(m, out=m)
+        if zero:
+            band(m, a, out=m)
+        else:
+            bb = b.view(bits)
+            band(m, xor(a, bb), out=m)
+            xor(m, bb, out=m)
+        return m.view(dt)
+
+    return run
 
 
 @register("clamp")
@@ -396,14 +489,25 @@ def _clamp(ctx: KernelContext) -> KernelFn:
 # -------------------------------------------------------------------------------- conversion
 
 
+_min_of = np.minimum.reduce
+_max_of = np.maximum.reduce
+
+
 def _float_to_int(src: np.dtype, dst: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
     info = np.iinfo(dst)
     lo = float(info.min)
     hi_exclusive = float(info.max) + 1.0  # a power of two, exact in float64
     top = np.asarray(info.max, dst)
     bottom = np.asarray(info.min, dst)
+    plain = src.kind == "f"  # numpy's own float types: a C cast truncates toward zero
 
     def run(x: np.ndarray) -> np.ndarray:
+        if plain:
+            a = np.asarray(x)
+            if a.size and a.dtype == src:
+                # All in range (NaN fails both tests): the cast alone is exact.
+                if float(_min_of(a, axis=None)) >= lo and float(_max_of(a, axis=None)) < hi_exclusive:
+                    return a.astype(dst)
         x64 = np.asarray(x, np.float64)
         nan = np.isnan(x64)
         t = np.trunc(np.where(nan, 0.0, x64))
@@ -417,6 +521,32 @@ def _float_to_int(src: np.dtype, dst: np.dtype) -> Callable[[np.ndarray], np.nda
     return run
 
 
+def _float_to_int_scalar(
+    src: np.dtype, dst: np.dtype, vectorized: Callable[[np.ndarray], np.ndarray]
+) -> Callable[[Any], Any]:
+    """``_float_to_int`` for one numpy scalar, in Python floats (exact: a float32/64 value is
+    a Python float, ``math.trunc`` is exact); anything else goes to the vectorized form."""
+    import math
+
+    info = np.iinfo(dst)
+    lo, hi = int(info.min), int(info.max)
+    make = dst.type
+    stype = src.type
+
+    def run(x: Any) -> Any:
+        if type(x) is not stype:
+            return vectorized(x)
+        f = float(x)
+        if f != f:
+            return make(0)
+        if math.isinf(f):
+            return make(hi if f > 0 else lo)
+        t = math.trunc(f)
+        return make(hi if t > hi else lo if t < lo else t)
+
+    return run
+
+
 @register("convert")
 def _convert(ctx: KernelContext) -> KernelFn:
     src = ctx.operand_dtypes[0]
@@ -424,20 +554,27 @@ def _convert(ctx: KernelContext) -> KernelFn:
     if src is None or dst is None:
         raise ValueError("convert needs array operands")
     if src == dst:
-        return lambda ops: ops[0]
+        return inline(lambda ops: ops[0], "{0}")
     if dst == np.bool_:
-        return lambda ops: np.not_equal(ops[0], np.zeros((), src))
+        zero = np.zeros((), src)
+        return inline(lambda ops: np.not_equal(ops[0], zero), "{f}({0}, {z})", f=np.not_equal, z=zero)
     if src.kind == "c":
         if dst.kind == "c":
             return lambda ops: np.asarray(ops[0]).astype(dst)
         return lambda ops: np.asarray(np.real(ops[0])).astype(dst)
     if _is_float(src) and dst.kind in "iu":
         fn = _float_to_int(src, dst)
+        if ctx.out_shape == () and _native(src):
+            scalar = _float_to_int_scalar(src, dst, fn)
+            return inline(lambda ops: fn(ops[0]), "{f}({0})", f=scalar)
         return lambda ops: fn(ops[0])
     if src == _BF16 or dst == _BF16:
         if src.kind in "iub" and dst == _BF16:
             return lambda ops: np.asarray(ops[0]).astype(np.float32).astype(dst) \
                 if src.itemsize <= 2 else np.asarray(ops[0]).astype(np.float64).astype(dst)
+    if src.kind in "biuf" and dst.kind in "iuf" and src != _BF16 and dst != _BF16:
+        # ``.astype`` of an array or numpy scalar is the same C cast as np.asarray(x).astype.
+        return inline(lambda ops: np.asarray(ops[0]).astype(dst), "{0}.astype({t})", t=dst)
     return lambda ops: np.asarray(ops[0]).astype(dst)
 
 
@@ -448,6 +585,9 @@ def _bitcast_convert(ctx: KernelContext) -> KernelFn:
     src = ctx.operand_dtypes[0]
     if src is None or dst is None:
         raise ValueError("bitcast-convert needs array operands")
+
+    if src.itemsize == dst.itemsize:
+        return lambda ops: np.array(ops[0], dtype=src, order="C", copy=True).view(dst)
 
     def run(ops: Sequence[Any]) -> np.ndarray:
         a = np.array(ops[0], dtype=src, order="C", copy=True)

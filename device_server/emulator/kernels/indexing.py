@@ -297,7 +297,7 @@ def scatter(ctx: KernelContext) -> KernelFn:
 
     ufunc = ctx.reducer_ufunc(0) if n == 1 else None
     kind = None if ufunc is not None or n > 1 else classify_binary(ctx.computation(0), dtypes[0], ("rhs",))
-    combine = None if ufunc is not None or kind is not None else elementwise(ctx.computation(0), n)
+    combine = None if ufunc is not None or kind is not None else elementwise(ctx, 0, n)
     acc_dt = [accumulation_dtype(dt) if ufunc is np.add and (dt.kind == "f" or dt.name == "bfloat16") else dt
               for dt in dtypes]
 
@@ -372,6 +372,20 @@ def dynamic_slice(ctx: KernelContext) -> KernelFn:
         operand = np.asarray(ops[0])
         return np.array(operand[_starts(ops, 1, form, limits)], copy=True)
 
+    if form == "scalars":
+        # One integer scalar per dimension, clamped in Python ints (no overflow, so no int64
+        # detour). A dimension taken whole ignores its start index (it clamps to 0).
+        full = tuple(slice(None) if hi == 0 else None for hi, _ in limits)
+        moving = [(d, hi, size) for d, (hi, size) in enumerate(limits) if hi != 0]
+
+        def run_scalars(ops: Sequence[Any]) -> np.ndarray:
+            index = list(full)
+            for d, hi, size in moving:
+                lo = min(max(int(ops[1 + d]), 0), hi)
+                index[d] = slice(lo, lo + size)
+            return np.asarray(ops[0])[tuple(index)].copy()
+
+        return run_scalars
     return run
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from device_server.emulator.kernels import KernelContext, KernelFn, register
+from device_server.emulator.kernels import KernelContext, KernelFn, inline, register
 from device_server.emulator.kernels.elementwise import total_order_key
 from device_server.protocol import dtypes, ir_pb2
 
@@ -64,14 +64,21 @@ def _reduce(ctx: KernelContext) -> KernelFn:
                 return np.asarray(r + np.asarray(ops[1], wide)).astype(dt)
             return run_wide
         if ufunc in (np.maximum, np.minimum):
-            return lambda ops: ufunc.reduce(ops[0], axis=dims, initial=np.asarray(ops[1])[()])
+            return inline(
+                lambda ops: ufunc.reduce(ops[0], axis=dims, initial=np.asarray(ops[1])[()]),
+                "{r}({0}, axis={d}, initial={a}({1})[()])", r=ufunc.reduce, d=dims, a=np.asarray,
+            )
         # dtype=: numpy would widen small integers; XLA wraps in the element type.
-        return lambda ops: ufunc(ufunc.reduce(ops[0], axis=dims, dtype=dt), ops[1])
+        return inline(
+            lambda ops: ufunc(ufunc.reduce(ops[0], axis=dims, dtype=dt), ops[1]),
+            "{u}({r}({0}, axis={d}, dtype={t}), {1})", u=ufunc, r=ufunc.reduce, d=dims, t=dt,
+        )
 
     comp = ctx.computation(0)
     perm = kept + dims
     R = int(np.prod([in_shape[d] for d in dims], dtype=np.int64))
     flat_shape = kept_shape + (R,)
+    arg = _argminmax(ctx, dims) if n == 2 and R > 0 else None
 
     def gather(ops: Sequence[Any]) -> tuple[list[np.ndarray], list[Any]]:
         xs = [np.asarray(x).transpose(perm).reshape(flat_shape) for x in ops[:n]]
@@ -84,6 +91,10 @@ def _reduce(ctx: KernelContext) -> KernelFn:
 
     if ctx.is_elementwise(0):  # type: ignore[attr-defined]
         def run_tree(ops: Sequence[Any]) -> Any:
+            if arg is not None:
+                found = arg(ops)
+                if found is not None:
+                    return found
             xs, inits = gather(ops)
             if R == 0:
                 return finish([np.broadcast_to(i, kept_shape) for i in inits])
@@ -114,6 +125,96 @@ def _reduce(ctx: KernelContext) -> KernelFn:
         return outs[0] if n == 1 else tuple(outs)
 
     return run_scalar
+
+
+def _argminmax(ctx: KernelContext, dims: tuple[int, ...]) -> Callable[[Sequence[Any]], Any] | None:
+    """The reduction of ``(values, iota)`` pairs by the usual arg-max (arg-min) reducer::
+
+        ge = compare(a, b, GE); eq = compare(a, b, EQ)           (LE for arg-min)
+        (select(ge, a, b), select(eq, minimum(i, j), select(ge, i, j)))
+
+    over one dimension along which operand 1 is an ``iota``: without NaNs that is the value
+    at the first position of the maximum and that position (np.argmax), as the reducer applied
+    in any order gives; then combined with the init values by the reducer. Returns a function
+    giving the ``(value, index)`` result, or None when a NaN is among the values (the caller then reduces
+    the general way, so NaN behaviour stays that of the reducer); None if not the pattern."""
+    if len(dims) != 1:
+        return None
+    operands = getattr(ctx, "operand_instrs", None)
+    if operands is None or len(operands) != 4:
+        return None
+    vdt, idt = ctx.operand_dtypes[0], ctx.operand_dtypes[1]
+    if vdt is None or idt is None or vdt.kind != "f" or idt.kind not in "iu":
+        return None
+    iota = operands[1]
+    if iota.opcode != "iota" or "dimension" not in iota.attrs or int(iota.attrs["dimension"].i) != dims[0]:
+        return None
+    if ctx.operand_shapes[0][dims[0]] - 1 > np.iinfo(idt).max:
+        return None
+    comp = ctx.computation_ir(0)  # type: ignore[attr-defined]
+    by_id = {i.id: i for i in comp.instructions}
+    params = {i.parameter_number: i.id for i in comp.instructions if i.opcode == "parameter"}
+    if sorted(params) != [0, 1, 2, 3]:
+        return None
+    p0, p1, p2, p3 = (params[k] for k in range(4))
+
+    def direction(iid: int) -> str | None:
+        c = by_id.get(iid)
+        if c is None or c.opcode != "compare" or list(c.operands) != [p0, p2]:
+            return None
+        kind = c.attrs["compare_type"].s if "compare_type" in c.attrs else "FLOAT"
+        return c.attrs["direction"].s if kind == "FLOAT" and "direction" in c.attrs else None
+
+    root = by_id.get(comp.root_id)
+    if root is None or root.opcode != "tuple" or len(root.operands) != 2:
+        return None
+    vsel, isel = (by_id.get(o) for o in root.operands)
+    if vsel is None or vsel.opcode != "select" or list(vsel.operands[1:]) != [p0, p2]:
+        return None
+    order = direction(vsel.operands[0])
+    if order not in ("GE", "LE"):
+        return None
+    if isel is None or isel.opcode != "select" or direction(isel.operands[0]) != "EQ":
+        return None
+    low = by_id.get(isel.operands[1])
+    pick = by_id.get(isel.operands[2])
+    if low is None or low.opcode != "minimum" or sorted(low.operands) != sorted([p1, p3]):
+        return None
+    if pick is None or pick.opcode != "select" or list(pick.operands[1:]) != [p1, p3] \
+            or direction(pick.operands[0]) != order:
+        return None
+    axis = dims[0]
+    shape = ctx.operand_shapes[0]
+    rank = len(shape)
+    perm = None if axis == rank - 1 else tuple(d for d in range(rank) if d != axis) + (axis,)
+    kept_shape = tuple(s for d, s in enumerate(shape) if d != axis)
+    rows = int(np.prod(kept_shape, dtype=np.int64))
+    flat = (rows, shape[axis])
+    every_row = np.arange(rows)
+
+    beyond = np.greater if order == "GE" else np.less
+    find_name = "argmax" if order == "GE" else "argmin"
+    combine = ctx.computation(0)
+    all_of = np.logical_and.reduce
+    any_of = np.logical_or.reduce
+
+    def run(ops: Sequence[Any]) -> list[np.ndarray] | None:
+        x = np.asarray(ops[0])
+        if perm is not None:
+            x = x.transpose(perm)
+        x = x.reshape(flat)
+        k = getattr(x, find_name)(axis=1)
+        v = x[every_row, k]
+        k = k.astype(idt)
+        if all_of(beyond(v, ops[2])):  # the init value neither wins nor ties anywhere
+            return v.reshape(kept_shape), k.reshape(kept_shape)
+        if any_of(np.isnan(v)):
+            return None
+        found = _as_list(combine([ops[2], ops[3], v, k]), 2)
+        return (np.asarray(found[0]).astype(vdt, copy=False).reshape(kept_shape),
+                np.asarray(found[1]).astype(idt, copy=False).reshape(kept_shape))
+
+    return run
 
 
 # -------------------------------------------------------------------------------------- sort

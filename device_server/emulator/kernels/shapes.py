@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator.kernels import KernelContext, KernelFn, register
+from device_server.emulator.kernels import KernelContext, KernelFn, inline, register
 
 _SMALL = 16384  # elements: below this, materialize broadcasts instead of making views
 
@@ -67,7 +67,14 @@ def _reshape(ctx: KernelContext) -> KernelFn:
     shape = ctx.out_shape
     if int(np.prod(shape, dtype=np.int64)) != int(np.prod(ctx.operand_shapes[0], dtype=np.int64)):
         raise ValueError(f"cannot reshape {list(ctx.operand_shapes[0])} to {list(shape)}")
-    return lambda ops: np.reshape(ops[0], shape)
+    return reshape_kernel(shape)
+
+
+def reshape_kernel(shape: tuple[int, ...]) -> KernelFn:
+    """``np.reshape(x, shape)``; to ``()`` it gives a numpy scalar (cheaper to compute with)."""
+    if shape == ():
+        return inline(lambda ops: np.reshape(ops[0], ())[()], "{0}.reshape(())[()]")
+    return inline(lambda ops: np.reshape(ops[0], shape), "{0}.reshape({s})", s=shape)
 
 
 @register("transpose")
@@ -75,7 +82,7 @@ def _transpose(ctx: KernelContext) -> KernelFn:
     perm = tuple(ctx.attr("permutation"))
     if sorted(perm) != list(range(len(ctx.operand_shapes[0]))):
         raise ValueError(f"permutation {list(perm)} does not fit rank {len(ctx.operand_shapes[0])}")
-    return lambda ops: np.transpose(ops[0], perm)
+    return inline(lambda ops: np.transpose(ops[0], perm), "{0}.transpose({p})", p=perm)
 
 
 @register("slice")
@@ -84,7 +91,7 @@ def _slice(ctx: KernelContext) -> KernelFn:
     limits = ctx.attr("limit_indices")
     strides = ctx.attr("strides", (1,) * len(starts))
     index = tuple(slice(s, lim, st) for s, lim, st in zip(starts, limits, strides, strict=True))
-    return lambda ops: np.asarray(ops[0])[index]
+    return inline(lambda ops: np.asarray(ops[0])[index], "{0}[{i}]", i=index)
 
 
 @register("concatenate")

@@ -20,6 +20,7 @@ select-and-scatter ``(operand, source, init_value)``.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -196,41 +197,53 @@ def _per_element(fn: Callable[[Sequence[Any]], Any], n_out: int) -> ArrayFn:
     return run
 
 
-def elementwise(fn: Callable[[Sequence[Any]], Any], n_out: int) -> ArrayFn:
-    """Turns a scalar called computation into a function over same-shaped arrays.
+def elementwise(ctx: KernelContext, index: int, n_out: int) -> ArrayFn:
+    """The index-th called computation (scalar in, scalar out) as a function over arrays.
 
-    The first call tries ``fn`` on whole arrays (the emulator's kernels are numpy code, so a
-    computation of elementwise ops usually just works) and checks the result against
-    per-element calls on a sample; if that fails or disagrees, it calls ``fn`` once per
-    element from then on (correct for any computation, but slow).
+    If the context can tell (the emulator's ``is_elementwise``), a computation of
+    shape-agnostic elementwise ops is called once on whole arrays and any other once per
+    element. Otherwise the first call tries whole arrays and checks the result against
+    per-element calls on a sample, falling back to per-element calls (correct for any
+    computation, but slow) if that fails or disagrees. Floating-point exceptions are
+    silenced, as XLA does not report them.
     """
+    fn = ctx.computation(index)
     slow = _per_element(fn, n_out)
+    probe = getattr(ctx, "is_elementwise", None)
     state: dict[str, bool] = {}
+    if callable(probe):
+        state["vectorized"] = bool(probe(index))
+        state["trusted"] = True
 
-    def run(args: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-        arrays = np.broadcast_arrays(*[np.asarray(a) for a in args])
-        shape = arrays[0].shape
-        if state.get("vectorized") is False or not shape or arrays[0].size == 0:
-            return slow(arrays)
+    def vectorized(arrays: list[np.ndarray], shape: tuple[int, ...]) -> tuple[np.ndarray, ...] | None:
         try:
             res = fn(arrays)
             res_t = tuple(np.asarray(r) for r in (res if isinstance(res, (tuple, list)) else (res,)))
-            ok = len(res_t) == n_out and all(r.shape == shape for r in res_t)
-            if ok and "vectorized" not in state:
-                flat = [a.reshape(-1) for a in arrays]
-                sample = np.unique(np.linspace(0, flat[0].size - 1, num=min(8, flat[0].size)).astype(np.int64))
-                ref = slow([f[sample] for f in flat])
-                ok = all(
-                    np.array_equal(r.reshape(-1)[sample], e, equal_nan=r.dtype.kind in "fc")
-                    for r, e in zip(res_t, ref, strict=True)
-                )
         except Exception:  # noqa: BLE001 - any failure means "not vectorizable"
-            ok = False
-        if not ok:
-            state["vectorized"] = False
-            return slow(arrays)
-        state["vectorized"] = True
+            return None
+        if len(res_t) != n_out or any(r.shape != shape for r in res_t):
+            return None
+        if not state.get("trusted"):
+            flat = [a.reshape(-1) for a in arrays]
+            sample = np.unique(np.linspace(0, flat[0].size - 1, num=min(8, flat[0].size)).astype(np.int64))
+            ref = slow([f[sample] for f in flat])
+            if not all(np.array_equal(r.reshape(-1)[sample], e, equal_nan=r.dtype.kind in "fc")
+                       for r, e in zip(res_t, ref, strict=True)):
+                return None
+            state["trusted"] = True
         return res_t
+
+    def run(args: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+        arrays = list(np.broadcast_arrays(*[np.asarray(a) for a in args]))
+        shape = arrays[0].shape
+        with np.errstate(all="ignore"):
+            if state.get("vectorized") is not False and shape and arrays[0].size:
+                res = vectorized(arrays, shape)
+                if res is not None:
+                    state["vectorized"] = True
+                    return res
+                state["vectorized"] = False
+            return slow(arrays)
 
     return run
 
@@ -265,7 +278,8 @@ def classify_binary(
     dtype = np.dtype(dtype)
     a, b = _probe_pairs(dtype)
     try:
-        got = [np.asarray(fn([np.asarray(x), np.asarray(y)])) for x, y in zip(a, b, strict=True)]
+        with np.errstate(all="ignore"):
+            got = [np.asarray(fn([np.asarray(x), np.asarray(y)])) for x, y in zip(a, b, strict=True)]
     except Exception:  # noqa: BLE001 - a computation we cannot probe is simply not recognized
         return None
     if any(g.shape != () for g in got):
@@ -358,6 +372,8 @@ def ufunc_identity(ufunc: np.ufunc, dtype: np.dtype) -> Any | None:
     """A value ``e`` with ``ufunc(e, x) == x`` for every ``x`` of ``dtype``, or None."""
     dtype = np.dtype(dtype)
     floating = dtype.kind == "f" or dtype.name == "bfloat16"
+    if ufunc is np.add and floating:
+        return np.asarray(-0.0, dtype)  # x + -0.0 == x, also for x = -0.0
     if ufunc in (np.add, np.bitwise_or, np.bitwise_xor, np.logical_or, np.logical_xor):
         return np.zeros((), dtype)
     if ufunc is np.multiply:
@@ -417,34 +433,55 @@ def reduce_window(ctx: KernelContext) -> KernelFn:
         return buf
 
     if ufunc is not None:
-        # Associative and commutative with an identity: fill the frame with the identity and
-        # reduce one dimension at a time (sum of the window sizes passes instead of their
-        # product), then combine with the init value once.
+        # Associative and commutative with an identity: reduce one dimension at a time (the
+        # sum of the window sizes in passes, not their product), each pass combining the
+        # in-range part of every tap straight from the input (no padded copy), then combine
+        # with the init value once. Base dilation goes through a frame filled with the
+        # identity.
         out_dt = dtypes[0]
+        plans = []
+        sizes = list(in_shape) if all(b == 1 for b in w.base_dilation) else list(padded)
+        lows = w.pad_lo if all(b == 1 for b in w.base_dilation) else (0,) * rank
+        for d in range(rank):
+            k, st, wd, lo, o, size = w.size[d], w.strides[d], w.window_dilation[d], lows[d], out_sizes[d], sizes[d]
+            if k == 1 and st == 1 and lo == 0 and size == o:
+                continue
+            taps = []
+            for j in range(k):
+                first = max(0, -((j * wd - lo) // st)) if j * wd - lo < 0 else 0
+                last = min(o - 1, (size - 1 - j * wd + lo) // st) if size - 1 - j * wd + lo >= 0 else -1
+                if first <= last:
+                    p0 = first * st + j * wd - lo
+                    taps.append((slice(first, last + 1), slice(p0, p0 + (last - first) * st + 1, st)))
+            full = [t for t in taps if t[0] == slice(0, o)]
+            taps.sort(key=lambda t: t[0] != slice(0, o))  # a tap covering every window first
+            plans.append((d, o, taps, bool(full)))
 
         def run_ufunc(ops: Sequence[Any]) -> np.ndarray:
             x, init = np.asarray(ops[0]), np.asarray(ops[1])
             if 0 in out_sizes:
                 return np.empty(out_sizes, out_dt)
-            acc = framed(x, fill, acc_dt)
-            for d in range(rank):
-                k, st, wd, o = w.size[d], w.strides[d], w.window_dilation[d], out_sizes[d]
-                if k == 1 and st == 1 and acc.shape[d] == o:
-                    continue
+            acc = x if all(b == 1 for b in w.base_dilation) else framed(x, fill, acc_dt)
+            for d, o, taps, has_full in plans:
+                shape_d = list(acc.shape)
+                shape_d[d] = o
                 lead = (slice(None),) * d
-                parts = [acc[(*lead, slice(j * wd, j * wd + (o - 1) * st + 1, st))] for j in range(k)]
-                if k == 1:
-                    acc = parts[0]
-                    continue
-                res = ufunc(parts[0], parts[1])
-                for part in parts[2:]:
-                    ufunc(res, part, out=res)
+                if has_full:
+                    res = np.empty(shape_d, acc_dt)
+                    np.copyto(res, acc[(*lead, taps[0][1])], casting="unsafe")
+                    rest = taps[1:]
+                else:
+                    res = np.full(shape_d, fill, acc_dt)
+                    rest = taps
+                for dst, src in rest:
+                    part = res[(*lead, dst)]
+                    ufunc(part, acc[(*lead, src)], out=part)
                 acc = res
             return np.asarray(ufunc(init.astype(acc_dt), acc), dtype=out_dt, order="C")
 
         return run_ufunc
 
-    combine = elementwise(ctx.computation(0), n)
+    combine = elementwise(ctx, 0, n)
     masks = window_masks(w, in_shape, out_sizes) if 0 not in out_sizes else []
 
     def run_generic(ops: Sequence[Any]) -> Any:
@@ -472,9 +509,20 @@ def reduce_window(ctx: KernelContext) -> KernelFn:
 @register("select-and-scatter")
 def select_and_scatter(ctx: KernelContext) -> KernelFn:
     """XLA SelectAndScatter: in every window of ``operand`` select one element (walking the
-    window in order, the candidate replaces the current choice unless ``select(current,
-    candidate)`` holds; padding is never selected), then combine the window's ``source``
-    value into a result that starts as ``init_value`` everywhere, with ``scatter``."""
+    window in row-major order, the candidate replaces the current choice unless
+    ``select(current, candidate)`` holds; padding is never selected), then combine the
+    window's ``source`` value into a result that starts as ``init_value`` everywhere, with
+    ``scatter``.
+
+    Ties therefore go to the first maximum for ``ge`` (max pooling) and the last for ``gt``.
+    XLA CPU agrees on unpadded windows; in some padded windows its expansion into a variadic
+    reduce-window breaks ties in another order (seen on TF 2.21), which this kernel does not
+    imitate.
+
+    Fast path: a ``ge``/``gt``/``le``/``lt`` select on NaN-free input keeps the running
+    selection as a running max/min; the window index chosen is kept with a running max (each
+    new index exceeds the earlier ones); the flat targets then go through ``ufunc.at`` (or a
+    plain assignment when windows do not overlap), computed in cache-sized row blocks."""
     if len(ctx.operand_shapes) != 3:
         raise invalid(ctx, f"expected (operand, source, init_value), got {len(ctx.operand_shapes)} operands.")
     shape = tuple(ctx.operand_shapes[0])
@@ -493,61 +541,83 @@ def select_and_scatter(ctx: KernelContext) -> KernelFn:
     out_dt = np.dtype(ctx.out_dtype) if ctx.out_dtype is not None else np.dtype(ctx.operand_dtypes[1])
 
     kind = classify_binary(ctx.computation(0), dtype, ("ge", "gt", "le", "lt"))
-    select_fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
-    if kind is not None:
-        select_fn = _COMPARISONS[kind]
-    else:
-        generic_select = elementwise(ctx.computation(0), 1)
+    generic_select = None if kind is not None else elementwise(ctx, 0, 1)
 
-        def select_fn(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-            return np.asarray(generic_select([a, b])[0], dtype=bool)
+    def select_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """out = select(a, b), elementwise."""
+        if kind is not None:
+            _COMPARISONS[kind](a, b, out=out)
+        else:
+            assert generic_select is not None
+            out[...] = np.asarray(generic_select([a, b])[0], dtype=bool)
 
     scatter_ufunc = ctx.reducer_ufunc(1)
-    scatter_generic = None if scatter_ufunc is not None else elementwise(ctx.computation(1), 1)
+    scatter_generic = None if scatter_ufunc is not None else elementwise(ctx, 1, 1)
+    acc_dt = accumulation_dtype(out_dt) if scatter_ufunc is np.add and (
+        out_dt.kind == "f" or out_dt.name == "bfloat16") else out_dt
     overlapping = any(st < k for st, k in zip(w.strides, w.size, strict=True))
-    acc_dt = accumulation_dtype(out_dt) if scatter_ufunc is np.add and out_dt.kind in "fV" else out_dt
 
-    # Window geometry, precomputed: operand index of window o at offset κ along dimension d is
-    # o*stride + κ - pad_lo, valid when inside the operand.
+    # Window geometry: operand index of window o at offset κ along dimension d is
+    # o*stride + κ - pad_lo; the windows walk over a frame holding the operand and its
+    # padding (negative padding crops), in which padding is masked out.
     estrides = [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(rank)]
     kappas = list(itertools.product(*(range(k) for k in w.size)))
-    offsets = np.array([sum(k * es for k, es in zip(kap, estrides, strict=True)) for kap in kappas], np.int64)
-    base = np.zeros(out_sizes, np.int64)
+    masks = window_masks(w, shape, out_sizes)
+    kappa_dt = np.int8 if len(kappas) < 2**7 else (np.int16 if len(kappas) < 2**15 else np.int64)
+    frame = tuple(s + lo + hi for s, lo, hi in zip(shape, w.pad_lo, w.pad_hi, strict=True))
+    place = w.placement(shape)
+    trivial = w.is_trivial_padding()
+    # With a plain comparison and no NaN, the running selected value is the running max (ge,
+    # gt) or min (le, lt) -- equal values compare alike, so which one is kept does not matter
+    # -- and padding can hold a value that never wins.
+    extreme = {"ge": np.maximum, "gt": np.maximum, "le": np.minimum, "lt": np.minimum}.get(kind or "")
+    sentinel = ufunc_identity(extreme, dtype) if extreme is not None else None
+    floating = dtype.kind in "fc" or dtype.name == "bfloat16"
+    complement = {"ge": np.less, "gt": np.less_equal, "le": np.greater, "lt": np.greater_equal}.get(kind or "")
+    # Offsets of every window element in the operand, as the sum of one small broadcastable
+    # array per dimension: origin (o*stride - pad_lo) plus the offset inside the window.
+    index_dt = np.int32 if math.prod(shape) < 2**31 else np.int64
+    origin_parts = []
     for d in range(rank):
         bshape = [1] * rank
         bshape[d] = out_sizes[d]
         o = np.arange(out_sizes[d], dtype=np.int64)
-        base = base + ((o * w.strides[d] - w.pad_lo[d]) * estrides[d]).reshape(bshape)
-    masks = window_masks(w, shape, out_sizes)
-    kappa_dt = np.int16 if len(kappas) < 2**15 else np.int64
-    # The frame the windows walk over: the operand with its padding (negative padding crops).
-    frame = tuple(s + lo + hi for s, lo, hi in zip(shape, w.pad_lo, w.pad_hi, strict=True))
-    place = w.placement(shape)
+        origin_parts.append(((o * w.strides[d] - w.pad_lo[d]) * estrides[d]).astype(index_dt).reshape(bshape))
+    tap_offsets = np.array([sum(k * es for k, es in zip(kap, estrides, strict=True)) for kap in kappas], index_dt)
+    # Blocks along the first result dimension, so a block's running state stays in cache.
+    per_row = math.prod(out_sizes[1:]) if rank else 1
+    rows_per_block = max(1, (1 << 16) // max(1, per_row))
+    lead = out_sizes[0] if rank else 1
+    blocks = [(r0, min(lead, r0 + rows_per_block)) for r0 in range(0, lead, rows_per_block)] if rank else [(0, 1)]
 
-    def run(ops: Sequence[Any]) -> np.ndarray:
-        operand, source, init = (np.asarray(o) for o in ops)
-        if operand.shape != shape or source.shape != out_sizes:
-            raise ExecutionError(f"{describe(ctx.instr)}: operand {list(operand.shape)} / source "
-                                 f"{list(source.shape)}, compiled for {list(shape)} / {list(out_sizes)}.")
-        out = np.full(shape, init, dtype=acc_dt)
-        if source.size == 0 or operand.size == 0:
-            return out.astype(out_dt)
-        if w.is_trivial_padding():
-            buf = operand
-        else:
-            buf = np.zeros(frame, dtype=operand.dtype)
-            if place is not None:
-                buf[place[1]] = operand[place[0]]
-        views, _ = _window_views(buf, w, out_sizes)
-        sel_val = np.array(views[kappas[0]], copy=True)
-        sel_k = np.zeros(out_sizes, kappa_dt)
+    def rows(a: np.ndarray | None, r0: int, r1: int) -> np.ndarray | None:
+        """Rows r0:r1 of an array broadcastable to the result (None stays None)."""
+        if a is None or not rank or a.shape[0] == 1:
+            return a
+        return a[r0:r1]
+
+    def select_block(views: np.ndarray, r0: int, r1: int, fast: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Index (into the row-major window offsets) of the selected element of every window
+        in rows r0:r1, and which of them have any element at all (None: all of them)."""
+        sub = (slice(None),) * len(w.size) + ((slice(r0, r1),) if rank else ())
+        v = views[sub]
+        bshape = v.shape[len(w.size):]
+        sel_val = np.array(v[kappas[0]], copy=True)
+        sel_k = np.zeros(bshape, kappa_dt)
+        step = np.empty(bshape, kappa_dt)
+        replace = np.empty(bshape, bool)
         have: np.ndarray | None = None
         if masks[0] is not None:
-            have = np.broadcast_to(masks[0], out_sizes).copy()
+            have = np.broadcast_to(rows(masks[0], r0, r1), bshape).copy()
         for j in range(1, len(kappas)):
-            cand = views[kappas[j]]
-            replace = ~select_fn(sel_val, cand)
-            m = masks[j]
+            cand = v[kappas[j]]
+            if fast:
+                assert complement is not None
+                complement(sel_val, cand, out=replace)  # the candidate wins unless select(current, it)
+            else:
+                select_into(sel_val, cand, replace)
+                np.logical_not(replace, out=replace)
+            m = rows(masks[j], r0, r1)
             if have is not None:
                 replace |= ~have  # a window's first valid element is always taken
             if m is not None:
@@ -557,23 +627,55 @@ def select_and_scatter(ctx: KernelContext) -> KernelFn:
                     have = None
                 else:
                     have |= m
-            np.copyto(sel_val, cand, where=replace)
-            np.copyto(sel_k, j, where=replace)
-        target = base + offsets[sel_k]
-        src = source.astype(acc_dt, copy=False)
-        if have is not None:
-            target = target[have]
-            src = src[have]
+            if fast:
+                assert extreme is not None
+                extreme(sel_val, cand, out=sel_val)
+            else:
+                np.copyto(sel_val, cand, where=replace)
+            # j exceeds every index chosen so far: the max keeps the old choice or takes j.
+            np.multiply(replace, kappa_dt(j), out=step)
+            np.maximum(sel_k, step, out=sel_k)
+        return sel_k, have
+
+    def run(ops: Sequence[Any]) -> np.ndarray:
+        operand, source, init = (np.asarray(o) for o in ops)
+        if operand.shape != shape or source.shape != out_sizes:
+            raise ExecutionError(f"{describe(ctx.instr)}: operand {list(operand.shape)} / source "
+                                 f"{list(source.shape)}, compiled for {list(shape)} / {list(out_sizes)}.")
+        if source.size == 0 or operand.size == 0:
+            return np.full(shape, init, dtype=out_dt)
+        fast = complement is not None and sentinel is not None and not (floating and np.isnan(operand).any())
+        if trivial:
+            buf = operand
         else:
-            target = target.reshape(-1)
-            src = src.reshape(-1)
+            buf = np.full(frame, sentinel if fast else 0, dtype=operand.dtype)
+            if place is not None:
+                buf[place[1]] = operand[place[0]]
+        views, _ = _window_views(buf, w, out_sizes)
+        target = np.empty(out_sizes, index_dt)
+        valid = None
+        for r0, r1 in blocks:
+            sel_k, have = select_block(views, r0, r1, fast)
+            t = target[r0:r1] if rank else target
+            np.take(tap_offsets, sel_k, out=t)
+            for part in origin_parts:
+                t += rows(part, r0, r1)
+            if have is not None:
+                if valid is None:
+                    valid = np.ones(out_sizes, bool)
+                valid[r0:r1] = have
+        src = source.astype(acc_dt, copy=False)
+        if valid is not None:
+            target, src = target[valid], src[valid]
+        target, src = target.reshape(-1), src.reshape(-1)
+        out = np.full(shape, init, dtype=acc_dt)
         flat = out.reshape(-1)
         if scatter_ufunc is not None:
             if overlapping:
                 scatter_ufunc.at(flat, target, src)
-            else:
-                flat[target] = scatter_ufunc(flat[target], src)
-        else:
+            else:  # every element is selected by at most one window
+                flat[target] = scatter_ufunc(init.astype(acc_dt), src)
+        else:  # any other computation, in source order as the definition applies it
             assert scatter_generic is not None
             ordered_scatter([flat], target, [src], scatter_generic)
         return out.astype(out_dt, copy=False)

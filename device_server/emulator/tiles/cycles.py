@@ -1,0 +1,65 @@
+"""Cycle costs of the pieces of a BSP superstep on one tile, from the target's figures.
+
+A superstep is ``exchange -> sync -> compute`` (Poplar's order: data a compute set needs arrive
+before it runs); it costs as much as its slowest tile in each phase:
+
+* **compute**: a tile's work runs on up to ``worker_threads_per_tile`` (6) workers that share
+  the tile's issue slots; the tile reaches its full rate only with all of them busy, so work
+  that splits into fewer than six pieces runs at ``pieces / 6`` of it. Each piece is one worker
+  vertex that pays ``vertex_overhead_cycles``. Work is the larger of its arithmetic at the rate
+  of the unit that does it (AMP or vector, FP16 or FP32) and its tile-memory traffic at
+  ``memory_bytes_per_cycle_per_tile`` (a roofline per tile);
+* **sync**: ``sync_cycles`` per superstep;
+* **exchange**: ``exchange_overhead_cycles`` plus the busiest tile's bytes in or out over
+  ``exchange_bytes_per_cycle_per_tile`` (a tile sends and receives at that rate at once; one
+  send may reach several tiles, so data needed by many tiles is counted once at the sender).
+"""
+
+from __future__ import annotations
+
+import math
+
+from device_server.emulator.arch import Target
+
+__all__ = ["compute_cycles", "exchange_cycles", "host_seconds", "vector_rate", "worker_pieces"]
+
+
+def vector_rate(target: Target, itemsize: int) -> float:
+    """Vector-unit FLOP/cycle/tile for elements of ``itemsize`` bytes (16-bit: the FP16 rate)."""
+    if itemsize <= 2:
+        return target.vector_fp16_flops_per_cycle_per_tile
+    return target.vector_fp32_flops_per_cycle_per_tile
+
+
+def worker_pieces(target: Target, elements: float, itemsize: int) -> int:
+    """Workers a tile's ``elements`` can keep busy (at least one vector each)."""
+    per_vector = max(1, target.vector_bytes // max(1, itemsize))
+    return max(1, min(target.worker_threads_per_tile, math.ceil(elements / per_vector)))
+
+
+def compute_cycles(target: Target, flops: float, mem_bytes: float, rate: float,
+                   pieces: int, vertices_per_worker: int = 1) -> float:
+    """Cycles of one tile's part of a compute set (see module docstring)."""
+    if flops <= 0 and mem_bytes <= 0:
+        return 0.0
+    workers = target.worker_threads_per_tile
+    occupancy = max(1, min(workers, int(pieces))) / workers
+    work = max(flops / (rate * occupancy), mem_bytes / (target.memory_bytes_per_cycle_per_tile * occupancy))
+    return work + target.vertex_overhead_cycles * max(1, vertices_per_worker)
+
+
+def exchange_cycles(target: Target, max_bytes_in: float, max_bytes_out: float = 0.0) -> float:
+    """Cycles of one exchange phase given the busiest tile's bytes in and out."""
+    busiest = max(max_bytes_in, max_bytes_out)
+    if busiest <= 0:
+        return 0.0
+    return target.exchange_overhead_cycles + busiest / target.exchange_bytes_per_cycle_per_tile
+
+
+def host_seconds(target: Target, bytes_in: int, bytes_out: int) -> float:
+    """Time to stream ``bytes_in`` to the device and ``bytes_out`` back over the host link."""
+    total = 0.0
+    for b in (bytes_in, bytes_out):
+        if b > 0:
+            total += target.host_link_latency_s + b / target.host_link_bytes_per_s
+    return total

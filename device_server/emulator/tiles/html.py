@@ -1,0 +1,344 @@
+"""A self-contained HTML page (inline SVG, no scripts, no external assets) for one estimate.
+
+    render_html(report_dict) -> str        report_dict: Estimate.to_dict() (or its JSON parsed)
+    save_html(report_dict, path) -> path
+
+Sections: summary (preset, latency, throughput, cycles by phase, memory), memory per tile
+across the chip by category (stacked, every tile), the fullest tile's largest contributors,
+top operations by cycles (with their Keras layer), cycles by layer, the BSP timeline
+(compute / sync / exchange of each superstep, loops marked), the batch-size sweep when the
+report carries one (``report["sweep"]``), and the assumptions and preset figures behind it all.
+The page is well-formed XML, so tests can parse it with ``xml.etree``.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["render_html", "save_html"]
+
+_COLORS = {
+    "variables": "#4e79a7", "inputs": "#76b7b2", "constants": "#9c755f",
+    "code and vertex state": "#b07aa1", "exchange code": "#ff9da7", "activations": "#f28e2b",
+    "temporaries": "#e15759", "compute": "#59a14f", "exchange": "#e15759", "sync": "#bab0ac",
+    "latency": "#4e79a7", "throughput": "#f28e2b", "cycles": "#4e79a7",
+}
+_W = 960  # chart width in px
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"
+
+
+def _fmt_s(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{_e(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _legend(names: Sequence[str]) -> str:
+    items = "".join(
+        f'<span class="key"><span class="swatch" style="background:{_COLORS.get(n, "#999")}"></span>{_e(n)}</span>'
+        for n in names
+    )
+    return f'<div class="legend">{items}</div>'
+
+
+# ------------------------------------------------------------------------------ charts
+
+
+def _memory_chart(report: dict[str, Any]) -> str:
+    mem: dict[str, list[int]] = report.get("memory") or {}
+    cats = [c for c in mem if any(mem[c])]
+    tiles = len(next(iter(mem.values()))) if mem else 0
+    if not tiles:
+        return "<p>No per-tile memory in this report.</p>"
+    limit = float(report.get("tile_bytes_limit") or 0)
+    totals = [sum(mem[c][t] for c in cats) for t in range(tiles)]
+    top = max(max(totals), limit) * 1.08 or 1.0
+    h, left, bottom = 260, 60, 24
+    pw, ph = _W - left - 10, h - bottom - 10
+    x = [left + pw * (t + 0.5) / tiles for t in range(tiles)]
+
+    def y(v: float) -> float:
+        return 10 + ph * (1 - v / top)
+
+    paths = []
+    base = [0.0] * tiles
+    for c in cats:
+        upper = [base[t] + mem[c][t] for t in range(tiles)]
+        pts = [f"{x[t]:.1f},{y(upper[t]):.1f}" for t in range(tiles)]
+        pts += [f"{x[t]:.1f},{y(base[t]):.1f}" for t in reversed(range(tiles))]
+        paths.append(f'<polygon fill="{_COLORS.get(c, "#999")}" points="{" ".join(pts)}"><title>{_e(c)}</title></polygon>')
+        base = upper
+    ticks = []
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        v = top * frac
+        ticks.append(f'<text x="{left - 4}" y="{y(v) + 4:.1f}" class="ax" text-anchor="end">{_e(_fmt_bytes(v))}</text>')
+    for t in (0, tiles // 4, tiles // 2, 3 * tiles // 4, tiles - 1):
+        ticks.append(f'<text x="{x[t]:.1f}" y="{h - 6}" class="ax" text-anchor="middle">{t}</text>')
+    lim = ""
+    if limit:
+        lim = (f'<line x1="{left}" x2="{left + pw}" y1="{y(limit):.1f}" y2="{y(limit):.1f}" '
+               f'stroke="#000" stroke-dasharray="6 3"/>'
+               f'<text x="{left + pw - 4}" y="{y(limit) - 4:.1f}" class="ax" text-anchor="end">'
+               f'SRAM per tile {_e(_fmt_bytes(limit))}</text>')
+    peak = int(report.get("peak_tile", 0))
+    mark = ""
+    if 0 <= peak < tiles:
+        right = x[peak] > left + 0.8 * pw
+        tx, anchor = (x[peak] - 3, "end") if right else (x[peak] + 3, "start")
+        mark = (f'<line x1="{x[peak]:.1f}" x2="{x[peak]:.1f}" y1="10" y2="{10 + ph}" stroke="#d00" '
+                f'stroke-width="1"/><text x="{tx:.1f}" y="{10 + ph - 6}" class="ax" fill="#d00" '
+                f'text-anchor="{anchor}">peak: tile {peak}</text>')
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">'
+           f'<rect x="{left}" y="10" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>'
+           + "".join(paths) + lim + mark + "".join(ticks) + "</svg>")
+    return svg + _legend(cats)
+
+
+def _bars(rows: list[tuple[str, dict[str, float], str]], phases: Sequence[str]) -> str:
+    """Horizontal stacked bars: (label, {phase: value}, tooltip)."""
+    if not rows:
+        return "<p>None.</p>"
+    bar_h, gap, label_w = 16, 4, 330
+    h = len(rows) * (bar_h + gap) + 10
+    top = max(sum(v.values()) for _, v, _ in rows) or 1.0
+    pw = _W - label_w - 90
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">']
+    for n, (label, vals, tip) in enumerate(rows):
+        yy = 5 + n * (bar_h + gap)
+        out.append(f'<text x="{label_w - 6}" y="{yy + 12}" class="lbl" text-anchor="end">{_e(label[:52])}</text>')
+        xx = float(label_w)
+        for p in phases:
+            w = pw * vals.get(p, 0.0) / top
+            if w > 0:
+                out.append(f'<rect x="{xx:.1f}" y="{yy}" width="{w:.1f}" height="{bar_h}" '
+                           f'fill="{_COLORS[p]}"><title>{_e(tip)}; {_e(p)} {vals.get(p, 0.0):,.0f} cycles</title></rect>')
+                xx += w
+        out.append(f'<text x="{xx + 4:.1f}" y="{yy + 12}" class="ax">{sum(vals.values()):,.0f}</text>')
+    out.append("</svg>")
+    return "".join(out) + _legend(phases)
+
+
+def _timeline(report: dict[str, Any]) -> str:
+    entries = [e for e in report.get("timeline") or [] if e.get("kind") != "loop"]
+    loops = [e for e in report.get("timeline") or [] if e.get("kind") == "loop"]
+    if not entries:
+        return "<p>No supersteps.</p>"
+    total = sum((e["compute"] + e["exchange"] + e["sync"]) * e.get("repeat", 1) for e in entries) or 1.0
+    left, lane, h = 70, 22, 110
+    pw = _W - left - 10
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">']
+    for n, p in enumerate(("compute", "sync", "exchange")):
+        out.append(f'<text x="{left - 6}" y="{14 + n * lane + 12}" class="lbl" text-anchor="end">{p}</text>')
+        out.append(f'<rect x="{left}" y="{14 + n * lane}" width="{pw}" height="{lane - 4}" fill="#f4f4f4"/>')
+    lanes = {"compute": 0, "sync": 1, "exchange": 2}
+    t = 0.0
+    for e in entries:
+        reps = e.get("repeat", 1)
+        x = left + pw * t / total
+        for p in ("exchange", "sync", "compute"):  # a superstep: exchange, sync, compute
+            w = pw * e[p] * reps / total
+            if w >= (0.005 if p == "sync" else 0.05):
+                tip = f"{e['name']} ({e.get('layer') or e.get('opcode', '')}) {p} {e[p]:,.0f} x{reps}"
+                out.append(f'<rect x="{x:.2f}" y="{14 + lanes[p] * lane}" width="{max(w, 0.3):.2f}" '
+                           f'height="{lane - 4}" fill="{_COLORS[p]}"><title>{_e(tip)}</title></rect>')
+            x += w
+        t += (e["compute"] + e["exchange"] + e["sync"]) * reps
+    for n in range(5):
+        frac = n / 4
+        anchor = "start" if n == 0 else "end" if n == 4 else "middle"
+        out.append(f'<text x="{left + pw * frac:.1f}" y="{h - 8}" class="ax" text-anchor="{anchor}">'
+                   f'{total * frac:,.0f}</text>')
+    out.append("</svg>")
+    note = ""
+    if loops:
+        note = "<p>Loops: " + "; ".join(f"'{_e(lp['name'])}' x{lp.get('trips', 1)}" for lp in loops[:8]) \
+            + " (their supersteps are drawn once, widened by the trip count).</p>"
+    return "".join(out) + note + ("<p>x: device cycles from the start of the call (host transfers "
+                                  "not drawn); syncs are drawn at least 0.3 px wide.</p>")
+
+
+def _line_chart(points: list[tuple[float, float, bool]], ylabel: str, color: str, fmt: Any) -> str:
+    if not points:
+        return ""
+    w, h, left, bottom = _W // 2 - 10, 240, 70, 30
+    pw, ph = w - left - 10, h - bottom - 20
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    top = max(ys) * 1.1 or 1.0
+    lo, hi = min(xs), max(xs)
+    import math
+
+    def x(v: float) -> float:
+        if hi == lo:
+            return left + pw / 2
+        return left + pw * (math.log2(v) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+
+    def y(v: float) -> float:
+        return 20 + ph * (1 - v / top)
+
+    pts = " ".join(f"{x(a):.1f},{y(b):.1f}" for a, b, _ in points)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img">',
+           f'<rect x="{left}" y="20" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>',
+           f'<text x="{left}" y="14" class="lbl">{_e(ylabel)}</text>',
+           f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>']
+    for a, b, fits in points:
+        fill = color if fits else "#fff"
+        out.append(f'<circle cx="{x(a):.1f}" cy="{y(b):.1f}" r="4" fill="{fill}" stroke="{color}">'
+                   f'<title>batch {a:g}: {_e(fmt(b))}{"" if fits else " (does not fit)"}</title></circle>')
+        out.append(f'<text x="{x(a):.1f}" y="{h - 12}" class="ax" text-anchor="middle">{a:g}</text>')
+    for frac in (0.0, 0.5, 1.0):
+        out.append(f'<text x="{left - 4}" y="{y(top * frac) + 4:.1f}" class="ax" text-anchor="end">'
+                   f'{_e(fmt(top * frac))}</text>')
+    out.append(f'<text x="{left + pw / 2:.1f}" y="{h - 0}" class="ax" text-anchor="middle">batch size</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _sweep(report: dict[str, Any]) -> str:
+    sweep = report.get("sweep") or []
+    if not sweep:
+        return ("<p>No batch-size sweep in this report (make one with "
+                "<code>tf_ipu.estimate_sweep(model, batch_sizes)</code>).</p>")
+    pts = sorted(sweep, key=lambda s: s["batch_size"])
+    lat = _line_chart([(p["batch_size"], p["latency_s"], p["fits"]) for p in pts],
+                      "latency per step", _COLORS["latency"], _fmt_s)
+    thr = _line_chart([(p["batch_size"], p["throughput"], p["fits"]) for p in pts],
+                      "throughput (items/s)", _COLORS["throughput"], lambda v: f"{v:,.0f}/s")
+    rows = [(p["batch_size"], _fmt_s(p["latency_s"]), f"{p['throughput']:,.1f}",
+             f"{p['peak_tile_bytes']:,}", "yes" if p["fits"] else "NO") for p in pts]
+    return (f'<div class="row">{lat}{thr}</div>'
+            "<p>Hollow points do not fit the tile memory.</p>"
+            + _table(["batch size", "latency", "items/s", "peak tile bytes", "fits"], rows))
+
+
+# ------------------------------------------------------------------------------ page
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1000px}
+h1{font-size:22px;margin-bottom:4px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:12px;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 6px;text-align:left}
+th{background:#f0f0f0}.kv td:first-child{font-weight:600}
+.legend{font-size:12px;margin:4px 0 8px}.key{margin-right:14px}.swatch{display:inline-block;width:10px;height:10px;margin-right:4px}
+.ax{font-size:10px;fill:#555}.lbl{font-size:11px;fill:#222}.bad{color:#c00;font-weight:700}.ok{color:#080;font-weight:700}
+.row{display:flex;gap:10px}code{background:#f4f4f4;padding:0 3px}
+"""
+
+
+def render_html(report: dict[str, Any]) -> str:
+    """The HTML page for a report dict (``Estimate.to_dict()``)."""
+    r = report
+    ctx = r.get("context") or {}
+    title = ctx.get("model") or r.get("program") or "program"
+    fits = bool(r.get("fits"))
+    clock = float(r.get("clock_hz") or 1.0)
+    seconds = float(r.get("seconds") or 0.0)
+    items = int(r.get("items_per_call") or 0)
+    thr = r.get("throughput") or ((items or 1) / seconds if seconds else 0.0)
+    summary = [
+        ("target", f"{r.get('target', '')}, {r.get('tiles_per_ipu')} tiles at {clock / 1e9:.3g} GHz"),
+        ("program", r.get("program", "")),
+    ]
+    for k in ("model", "batch_size", "training", "inputs"):
+        if k in ctx:
+            summary.append((k.replace("_", " "), ctx[k]))
+    summary += [
+        ("latency per call", _fmt_s(seconds)),
+        ("throughput", f"{thr:,.1f} {'items' if items else 'calls'}/s"),
+        ("cycles", f"{int(r.get('cycles', 0)):,} = device {int(r.get('device_cycles', 0)):,} "
+                   f"(compute {int(r.get('compute_cycles', 0)):,}, exchange "
+                   f"{int(r.get('exchange_cycles', 0)):,}, sync {int(r.get('sync_cycles', 0)):,}) "
+                   f"+ host transfers {int(r.get('host_cycles', 0)):,}"),
+        ("host transfers", f"{_fmt_bytes(r.get('host_bytes_in', 0))} in, "
+                           f"{_fmt_bytes(r.get('host_bytes_out', 0))} out"),
+        ("supersteps", f"{int(r.get('supersteps', 0)):,}"),
+        ("arithmetic", f"{float(r.get('flops', 0)) / 1e9:,.3f} GFLOP"),
+        ("peak tile memory", f"tile {r.get('peak_tile')}: {int(r.get('peak_tile_bytes', 0)):,} B of "
+                             f"{int(r.get('tile_bytes_limit', 0)):,} B"),
+        ("total memory", f"{_fmt_bytes(r.get('total_bytes', 0))} "
+                         f"({_fmt_bytes(r.get('always_live_bytes', 0))} always live)"),
+    ]
+    verdict = ('<span class="ok">fits</span>' if fits else
+               '<span class="bad">DOES NOT FIT</span> (out of memory on tile '
+               f'{_e(r.get("peak_tile"))})')
+    kv = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in summary)
+    contributors = r.get("contributors") or []
+    contrib_rows = [(c["name"], c.get("opcode", ""), c.get("layer", ""), c["kind"], f"{c['bytes']:,}",
+                     c.get("where", "")) for c in contributors[:20]]
+    layer_rows = [(name, f"{b:,}") for name, b in (r.get("by_layer") or [])[:15]]
+    top = r.get("top_ops") or []
+    top_rows = [(o["name"] + (f" (+{o['fused'] - 1} fused)" if o.get("fused", 1) > 1 else ""),
+                 {"compute": o["compute"], "sync": o["sync"], "exchange": o["exchange"]},
+                 f"{o['opcode']} {o.get('layer', '')}") for o in top[:25]]
+    top_table = [(o["name"], o["opcode"], o.get("layer", ""), f"{o['cycles']:,.0f}",
+                  f"{o['compute']:,.0f}", f"{o['exchange']:,.0f}", f"{o['sync']:,.0f}",
+                  o["supersteps"], o["tiles"]) for o in top[:25]]
+    layers = r.get("layers") or []
+    layer_bars = [(L["layer"], {"cycles": L["cycles"]}, f"{L['supersteps']} supersteps") for L in layers[:20]]
+    preset = r.get("preset") or {}
+    preset_rows = [(k, v) for k, v in preset.items()]
+    notes = "".join(f"<li>{_e(n)}</li>" for n in r.get("notes") or [])
+    assumptions = "".join(f"<li>{_e(a)}</li>" for a in r.get("assumptions") or [])
+    parts = [
+        '<!DOCTYPE html>\n<html xmlns="http://www.w3.org/1999/xhtml" lang="en"><head>',
+        '<meta charset="utf-8"/>',
+        f"<title>IPU estimate: {_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>IPU estimate: {_e(title)}</h1>",
+        f"<p>{verdict}. An estimate from the emulator's tile model "
+        "(docs/tile_model.md), not a measurement: the assumptions are listed at the end.</p>",
+        "<h2>Summary</h2>", f'<table class="kv"><tbody>{kv}</tbody></table>',
+        "<h2>Memory per tile</h2>",
+        "<p>Every tile of the chip, each at its own peak, by category (always-live categories "
+        "below, not-always-live on top).</p>",
+        _memory_chart(r),
+        f"<h2>Largest contributors on tile {_e(r.get('peak_tile'))}</h2>",
+        _table(["tensor", "opcode", "Keras layer", "kind", "bytes", "inside"], contrib_rows),
+        _table(["Keras layer (or kind)", "bytes on the tile"], layer_rows),
+        "<h2>Top operations by cycles</h2>",
+        _bars(top_rows, ("compute", "sync", "exchange")),
+        _table(["instruction", "opcode", "Keras layer", "cycles", "compute", "exchange", "sync",
+                "supersteps", "tiles"], top_table),
+        "<h2>Cycles by Keras layer</h2>",
+        _bars(layer_bars, ("cycles",)),
+        "<h2>BSP timeline</h2>",
+        _timeline(r),
+        "<h2>Batch-size sweep</h2>",
+        _sweep(r),
+        "<h2>Assumptions</h2>", f"<ul>{assumptions}</ul>",
+    ]
+    if notes:
+        parts += ["<h2>Notes from the planner</h2>", f"<ul>{notes}</ul>"]
+    parts += ["<h2>Preset</h2>", _table(["figure", "value"], preset_rows), "</body></html>\n"]
+    return "".join(parts)
+
+
+def save_html(report: dict[str, Any], path: str) -> str:
+    """Writes :func:`render_html` of ``report`` to ``path``; returns the path."""
+    text = render_html(report)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path

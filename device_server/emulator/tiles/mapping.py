@@ -1,0 +1,157 @@
+"""Tile mappings: which tiles hold which elements of a tensor.
+
+A tensor's elements (row-major) are cut into contiguous intervals, one per tile, over a run
+of consecutive tiles ``first, first + 1, ..., first + tiles - 1`` (wrapping around the chip).
+Most mappings are *even* (every tile of the run holds ``elements // tiles`` elements, the first
+``elements % tiles`` one more), which is stored in four integers; an *irregular* mapping
+(a test forcing an unbalanced layout, say) stores its per-tile counts.
+
+:class:`Allocator` hands out mappings the way Poplar's ``mapTensorLinearly`` does (spread over
+as many tiles as hold at least ``min_bytes_per_tile`` each), with one difference: tensors that
+use only part of the chip start where the previous such tensor ended, so that small tensors do
+not all pile onto tile 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["Allocator", "TileMapping"]
+
+
+class TileMapping:
+    """Elements of one tensor over a run of tiles (see module docstring)."""
+
+    __slots__ = ("first", "tiles", "elements", "total_tiles", "counts")
+
+    def __init__(self, first: int, tiles: int, elements: int, total_tiles: int,
+                 counts: np.ndarray | None = None) -> None:
+        if not 0 < tiles <= total_tiles:
+            raise ValueError(f"a mapping needs 1..{total_tiles} tiles, received tiles={tiles}.")
+        self.first = int(first) % total_tiles
+        self.tiles = int(tiles)
+        self.elements = int(elements)
+        self.total_tiles = int(total_tiles)
+        if counts is not None:
+            counts = np.asarray(counts, dtype=np.int64)
+            if counts.shape != (tiles,) or int(counts.sum()) != elements:
+                raise ValueError(
+                    f"irregular mapping: counts must be {tiles} numbers summing to {elements}, "
+                    f"received shape {counts.shape} summing to {int(counts.sum())}."
+                )
+        self.counts = counts
+
+    @classmethod
+    def on_tiles(cls, counts_by_tile: dict[int, int], total_tiles: int) -> TileMapping:
+        """An irregular mapping from ``{tile: elements}`` (tiles must form one run)."""
+        tiles = sorted(counts_by_tile)
+        first, last = tiles[0], tiles[-1]
+        counts = np.zeros(last - first + 1, np.int64)
+        for t, c in counts_by_tile.items():
+            counts[t - first] = c
+        return cls(first, len(counts), int(counts.sum()), total_tiles, counts)
+
+    @property
+    def even(self) -> bool:
+        return self.counts is None
+
+    @property
+    def max_elements(self) -> int:
+        """Elements on the fullest tile."""
+        if self.counts is not None:
+            return int(self.counts.max())
+        return -(-self.elements // self.tiles)
+
+    @property
+    def max_tile(self) -> int:
+        """Index of the fullest tile."""
+        if self.counts is not None:
+            return (self.first + int(self.counts.argmax())) % self.total_tiles
+        return self.first
+
+    def same_as(self, other: TileMapping | None) -> bool:
+        """Whether both mappings put the same element indices on the same tiles."""
+        if other is None or other.elements != self.elements:
+            return False
+        if self.counts is not None or other.counts is not None:
+            return (
+                other.first == self.first and other.tiles == self.tiles
+                and self.counts is not None and other.counts is not None
+                and bool(np.array_equal(self.counts, other.counts))
+            )
+        return other.first == self.first and other.tiles == self.tiles
+
+    def _runs(self) -> list[tuple[int, int, int]]:
+        """(start tile, stop tile, offset into the run) slices, at most two (wrap-around)."""
+        end = self.first + self.tiles
+        if end <= self.total_tiles:
+            return [(self.first, end, 0)]
+        head = self.total_tiles - self.first
+        return [(self.first, self.total_tiles, 0), (0, end - self.total_tiles, head)]
+
+    def add_to(self, vec: np.ndarray, bytes_per_element: float) -> None:
+        """Adds this tensor's bytes on each tile into ``vec`` (one entry per tile)."""
+        if self.counts is not None:
+            for a, b, off in self._runs():
+                vec[a:b] += self.counts[off:off + (b - a)] * bytes_per_element
+            return
+        base, extra = divmod(self.elements, self.tiles)
+        for a, b, off in self._runs():
+            if base:
+                vec[a:b] += base * bytes_per_element
+            if extra > off:
+                vec[a:a + min(b - a, extra - off)] += bytes_per_element
+
+    def elements_on(self, tile: int) -> int:
+        """Elements held by ``tile``."""
+        off = (tile - self.first) % self.total_tiles
+        if off >= self.tiles:
+            return 0
+        if self.counts is not None:
+            return int(self.counts[off])
+        base, extra = divmod(self.elements, self.tiles)
+        return base + (1 if off < extra else 0)
+
+    def covers(self, vec: np.ndarray, value: float) -> None:
+        """Adds ``value`` on every tile of the run (code and vertex state)."""
+        for a, b, _ in self._runs():
+            vec[a:b] += value
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {"first_tile": self.first, "tiles": self.tiles,
+                                "elements": self.elements}
+        if self.counts is not None:
+            d["counts"] = [int(c) for c in self.counts]
+        return d
+
+    def __repr__(self) -> str:
+        kind = "even" if self.counts is None else "irregular"
+        last = (self.first + self.tiles - 1) % self.total_tiles
+        return (f"TileMapping({self.elements} elements on tiles {self.first}..{last}, "
+                f"{kind}, max {self.max_elements}/tile)")
+
+
+class Allocator:
+    """Hands out linear mappings over a chip of ``total_tiles`` tiles."""
+
+    def __init__(self, total_tiles: int, min_bytes_per_tile: int) -> None:
+        self.total_tiles = total_tiles
+        self.min_bytes_per_tile = max(1, int(min_bytes_per_tile))
+        self.cursor = 0
+
+    def linear(self, elements: int, itemsize: int, max_tiles: int = 0) -> TileMapping:
+        """Spread ``elements`` over as many tiles as hold ``min_bytes_per_tile`` each."""
+        elements = max(1, int(elements))
+        want = -(-elements * max(1, itemsize) // self.min_bytes_per_tile)
+        cap = self.total_tiles if max_tiles <= 0 else min(max_tiles, self.total_tiles)
+        return self.spread(elements, max(1, min(cap, want, elements)))
+
+    def spread(self, elements: int, tiles: int) -> TileMapping:
+        """``elements`` evenly over ``tiles`` tiles (all tiles start at tile 0; fewer start
+        where the previous partial allocation ended)."""
+        tiles = max(1, min(int(tiles), self.total_tiles, max(1, int(elements))))
+        if tiles >= self.total_tiles:
+            return TileMapping(0, self.total_tiles, elements, self.total_tiles)
+        first = self.cursor
+        self.cursor = (self.cursor + tiles) % self.total_tiles
+        return TileMapping(first, tiles, elements, self.total_tiles)

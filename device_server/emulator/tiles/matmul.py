@@ -1,0 +1,240 @@
+"""Planning matrix products and convolutions over tiles: a small search over splits.
+
+Both are treated as a grouped matrix product (as Poplar's convolution planner does): ``G``
+independent groups (dot batch dimensions; convolution feature or batch groups) of an
+``M x K`` by ``K x N`` product, where for a convolution ``M`` is output batch x output
+positions, ``N`` the output channels of a group and ``K`` the kernel's input channels of a
+group times its window (only the channel part may be split over tiles).
+
+A weight-update convolution (whose window covers most of its input, as XLA writes the
+gradient of a convolution's kernel) is a plain matrix product over ``K = channels x window``,
+as Poplar plans it. A plan splits ``G, M, N, K`` over ``pg * pm * pn * pk`` tiles. Each tile then
+
+1. receives its share of the operands in the exchange (the input rows and weight columns it
+   needs; a convolution's input share is widened by the window's halo);
+2. runs the AMP on ``g x m x n x k``, rounded up to the AMP's channel groups
+   (``amp_*_input_channels`` / ``amp_*_output_channels``), or the vector unit when that is
+   faster (depthwise convolutions, integer products);
+3. if ``pk > 1``, sends its FP32 partial sums to the tiles that own the output, which add them
+   (one more superstep).
+
+Operands that are entry parameters not yet laid out (weights, mostly) are laid out for the plan,
+as Poplar creates a matmul's weights: each tile already holds its part of the blocks it uses
+and receives only the copies other tiles hold.
+
+If a tile's operands and partials exceed ``available_memory_proportion`` of its memory, the
+plan runs in ``sk`` serial passes over ``K`` (and ``sn`` over ``N``), each a superstep with its
+own exchange, as Poplar's serial splits do. The search evaluates every combination of splits
+from a geometric grid at once with numpy and keeps the fastest that fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from device_server.emulator.arch import Target
+
+__all__ = ["MatmulPlan", "MatmulProblem", "plan_matmul"]
+
+_SERIAL_N = np.array([1, 2, 4, 8, 16, 32, 64], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class MatmulProblem:
+    """One grouped matrix product (see module docstring)."""
+
+    groups: int
+    m: int
+    n: int
+    k: int                # contraction that may be split over tiles (input channels)
+    window: int           # contraction kept on one tile (kernel window elements; 1 for dot)
+    a_bytes: int          # all of the input / lhs operand
+    b_bytes: int          # all of the weights / rhs operand
+    halo: float           # extra share of an image's input a tile needs (conv window overlap)
+    itemsize: int         # operand element size (2: the FP16 AMP)
+    out_itemsize: int
+    floating: bool        # float operands (the AMP does not take integers)
+    images: int = 1       # M = images x positions: a tile with fewer rows than an image's
+                          # positions needs part of one image (plus the halo)
+    a_local: bool = False  # the input is laid out for this plan (a parameter mapped by it)
+    b_local: bool = False  # the weights are laid out for this plan
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.groups * self.m * self.n * self.k * self.window
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """The chosen split and what it costs (cycles of the slowest tile, per phase)."""
+
+    pg: int
+    pm: int
+    pn: int
+    pk: int
+    sk: int
+    sn: int
+    tiles: int
+    compute_cycles: float      # all passes
+    exchange_cycles: float     # all passes
+    sync_cycles: float
+    reduce_compute_cycles: float
+    reduce_exchange_cycles: float
+    recv_bytes_per_tile: float  # operands received by the busiest tile over all passes
+    reduce_recv_bytes_per_tile: float  # partials received by the busiest tile (all N passes)
+    temp_bytes_per_tile: float  # operand buffers + partials live at once on a tile
+    amp: bool
+    fits_budget: bool
+
+    @property
+    def passes(self) -> int:
+        return self.sk * self.sn
+
+    @property
+    def cycles(self) -> float:
+        return (self.compute_cycles + self.exchange_cycles + self.sync_cycles
+                + self.reduce_compute_cycles + self.reduce_exchange_cycles)
+
+    def describe(self) -> str:
+        serial = f", serial {self.sk}x{self.sn}" if self.passes > 1 else ""
+        unit = "AMP" if self.amp else "vector"
+        return (f"split G{self.pg} M{self.pm} N{self.pn} K{self.pk} on {self.tiles} tiles"
+                f"{serial} ({unit})")
+
+
+def _grid(dim: int, cap: int, ratio: float = 1.25) -> np.ndarray:
+    """Split counts to try for a dimension of size ``dim`` on at most ``cap`` tiles."""
+    top = max(1, min(dim, cap))
+    vals = {1, top}
+    x = 1.0
+    while x < top:
+        vals.add(int(round(x)))
+        x *= ratio
+    p = 1
+    while p < top:
+        vals.add(p)
+        p *= 2
+    # Splits that cut dim into equal pieces near the top end.
+    for q in (2, 3, 4, 6, 8):
+        if dim // q >= 1 and dim // q <= top:
+            vals.add(-(-dim // q))
+    return np.array(sorted(v for v in vals if 1 <= v <= top), dtype=np.float64)
+
+
+def _ceil(a: np.ndarray | float, b: np.ndarray | float) -> np.ndarray:
+    return np.ceil(np.asarray(a, dtype=np.float64) / b)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_matmul(problem: MatmulProblem, target: Target) -> MatmulPlan:
+    """The fastest split of ``problem`` over ``target``'s tiles whose temporaries fit
+    ``available_memory_proportion`` of a tile (else of a whole tile; else the smallest)."""
+    t = target
+    T = t.tiles_per_ipu
+    G, M, N, K, W = problem.groups, problem.m, problem.n, problem.k, problem.window
+    pg, pm, pn, pk = np.meshgrid(_grid(G, T, 2.0), _grid(M, T), _grid(N, T), _grid(K, T),
+                                 indexing="ij", copy=False)
+    tiles = pg * pm * pn * pk
+    ok = tiles <= T
+    pg, pm, pn, pk, tiles = (a[ok][:, None] for a in (pg, pm, pn, pk, tiles))
+    sn = _SERIAL_N[None, :]
+    g, m, n, k = _ceil(G, pg), _ceil(M, pm), _ceil(N, pn), _ceil(K, pk)
+    half = problem.itemsize <= 2
+    kg = t.amp_fp16_input_channels if half else t.amp_fp32_input_channels
+    ng = t.amp_fp16_output_channels if half else t.amp_fp32_output_channels
+    amp_rate = t.amp_fp16_flops_per_cycle_per_tile if half else t.amp_fp32_flops_per_cycle_per_tile
+    vec_rate = t.vector_fp16_flops_per_cycle_per_tile if half else t.vector_fp32_flops_per_cycle_per_tile
+    vec_work = 2.0 * g * m * n * k * W / vec_rate
+    if problem.floating:
+        amp_work = 2.0 * g * m * (_ceil(n, ng) * ng) * (_ceil(k, kg) * kg) * W / amp_rate
+        use_amp = amp_work <= vec_work
+        work = np.where(use_amp, amp_work, vec_work)
+    else:
+        use_amp = np.zeros_like(vec_work, dtype=bool)
+        work = vec_work
+    workers = t.worker_threads_per_tile
+    occupancy = np.minimum(workers, g * m) / workers
+    work = work / occupancy
+
+    a_per_group = problem.a_bytes / max(1, G)
+    b_per_group = problem.b_bytes / max(1, G)
+    images = max(1, min(problem.images, M))
+    positions = M / images
+    share_a = np.where(m >= positions, m / M, np.minimum(1.0, m / positions + problem.halo) / images)
+    recv_a = g * a_per_group * share_a * (k / K)
+    recv_b = g * b_per_group * (n / N) * (k / K)
+    # An operand laid out for this plan (as Poplar creates weights for their matmul) already
+    # holds on each tile its share of the blocks that tile uses: only the copies travel.
+    if problem.b_local:
+        recv_b = recv_b * (pm - 1) / pm
+    if problem.a_local:
+        recv_a = recv_a * (pn - 1) / pn
+    acc = 4.0  # FP32 partials (and 32-bit integer accumulators)
+    partials = g * m * n * acc
+    reduce = pk > 1
+
+    red_recv = np.where(reduce, (pk - 1) / pk * partials, 0.0)
+
+    def solve(budget: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sk, memory per tile, feasible) for every candidate and serial N split."""
+        ops = recv_a + recv_b / sn
+        # The reduction of one N pass holds its partials and what it receives.
+        red_mem = np.where(reduce, (partials + red_recv) / sn, 0.0)
+        # One pass, no FP32 partial buffer unless the K split needs one.
+        mem1 = ops + np.where(reduce, partials / sn, 0.0)
+        room = budget - partials / sn
+        sk = np.where(mem1 <= budget, 1.0,
+                      np.where(room > 0, np.ceil(ops / np.maximum(room, 1e-9)), np.inf))
+        sk = np.maximum(sk, 1.0)
+        mem = np.maximum(np.where(sk > 1, ops / sk + partials / sn, mem1), red_mem)
+        feasible = (sk <= k * W) & np.isfinite(sk) & (mem <= budget)
+        return sk, mem, feasible
+
+    sram = float(t.sram_bytes_per_tile)
+    sk, mem, feasible = solve(t.available_memory_proportion * sram)
+    fits_budget = True
+    if not feasible.any():
+        fits_budget = False
+        sk, mem, feasible = solve(sram)
+    passes = sk * sn
+    exchange_bytes = recv_a * sn + recv_b
+    exch = exchange_bytes / t.exchange_bytes_per_cycle_per_tile + passes * t.exchange_overhead_cycles
+    sync = passes * t.sync_cycles
+    compute = work + passes * t.vertex_overhead_cycles
+    red_pieces = np.minimum(workers, np.maximum(1.0, g * m * n / pk / 2))
+    red_compute = np.where(
+        reduce, (pk - 1) / pk * g * m * n / (t.vector_fp32_flops_per_cycle_per_tile * red_pieces / workers)
+        + t.vertex_overhead_cycles, 0.0)
+    red_exch = np.where(reduce, t.exchange_overhead_cycles + red_recv / t.exchange_bytes_per_cycle_per_tile
+                        + t.sync_cycles, 0.0)
+    total = compute + exch + sync + red_compute + red_exch
+    total_b = np.broadcast_to(total, sk.shape)
+    if feasible.any():
+        score = np.where(feasible, total_b, np.inf)
+    else:  # nothing fits even a whole tile: the least memory (the memory model reports it)
+        fits_budget = False
+        score = np.where(np.isfinite(sk), mem, np.inf)
+        if not np.isfinite(score).any():
+            score = np.broadcast_to(recv_a + recv_b / sn + partials / sn, sk.shape)
+            sk = np.full_like(sk, k * W)
+    flat = int(np.argmin(score))
+    i, j = np.unravel_index(flat, sk.shape)
+
+    def at(a: np.ndarray) -> float:
+        a = np.broadcast_to(a, sk.shape)
+        return float(a[i, j])
+
+    temp = at(mem)
+    return MatmulPlan(
+        pg=int(at(pg)), pm=int(at(pm)), pn=int(at(pn)), pk=int(at(pk)),
+        sk=int(min(at(sk), 1e9)), sn=int(at(sn)), tiles=int(at(tiles)),
+        compute_cycles=at(compute), exchange_cycles=at(exch), sync_cycles=at(sync),
+        reduce_compute_cycles=at(red_compute), reduce_exchange_cycles=at(red_exch),
+        recv_bytes_per_tile=at(exchange_bytes), reduce_recv_bytes_per_tile=at(red_recv),
+        temp_bytes_per_tile=temp, amp=bool(at(use_amp)) if problem.floating else False,
+        fits_budget=fits_budget and math.isfinite(at(sk)),
+    )

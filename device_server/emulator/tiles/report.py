@@ -1,0 +1,351 @@
+"""The estimate of one program on one IPU preset, built from its tile plan and memory profile.
+
+    plan_module (planner.py) + profile_memory (memory.py) --> Estimate
+      .cycles / .seconds / .latency_s / .throughput      per call (one step, or N in a loop)
+      .peak_tile_bytes / .tile_bytes_limit / .fits        the fullest tile against its SRAM
+      .to_dict() / .to_json() / .save_html(path)          the report (html.py renders it)
+      .oom_message()                                       Poplar's out-of-memory message
+
+Cycles are device cycles (supersteps: compute + sync + exchange, slowest tile each) plus the
+host transfers of streamed arguments and results, converted at the preset's clock, so that
+``seconds == cycles / clock_hz``; ``device_cycles`` leaves the host link out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from device_server.emulator.arch import Target
+from device_server.emulator.tiles import cycles as cyc
+from device_server.emulator.tiles.mapping import TileMapping
+from device_server.emulator.tiles.memory import CATEGORIES, MemoryProfile, profile_memory
+from device_server.emulator.tiles.planner import LiveFn, ModulePlan, Step, plan_module
+from device_server.protocol import ir_pb2
+
+__all__ = ["ASSUMPTIONS", "Estimate", "estimate_module", "estimate_plan"]
+
+ASSUMPTIONS = (
+    "BSP: every superstep is exchange, sync, compute; each phase costs as much as its slowest tile",
+    "dot/convolution: the fastest split over tiles found by a search (AMP rate, operands rounded "
+    "up to the AMP's channel groups; serial passes when temporaries exceed "
+    "available_memory_proportion of a tile)",
+    "element-wise ops follow their operands' mapping; single-use chains on one mapping are fused "
+    "into one compute set and their intermediates are not stored",
+    "compute: up to 6 workers per tile share its issue slots (fewer pieces of work run slower); "
+    "per tile the larger of arithmetic at the unit's rate and memory traffic at its bandwidth",
+    "exchange: busiest tile's bytes in or out at the exchange rate plus a fixed overhead; one "
+    "send reaches every tile that needs the data",
+    "reductions: local reduction, then partials exchanged to the owners (two stages above 32 "
+    "contributing tiles per result)",
+    "memory: variables, arguments, constants, code and vertex state always live; tensors live "
+    "from definition to last use; instruction temporaries at their point only",
+    "updated variables are written in place; host transfers (arguments in, non-variable results "
+    "out) are not overlapped with compute",
+    "tensors are laid out linearly with at least min_bytes_per_tile per tile",
+)
+
+_log = logging.getLogger(__name__)
+_TIMELINE_LIMIT = 1500
+_TOP_OPS = 40
+
+
+@dataclass
+class Estimate:
+    """Cycles, time and memory of one call of a program on a target (see module docstring)."""
+
+    ipu_version: str
+    tiles_per_ipu: int
+    clock_hz: float
+    cycles: int
+    seconds: float
+    peak_tile_bytes: int
+    tile_bytes_limit: int
+    total_bytes: int
+    fits: bool
+    target: str = ""
+    always_live_bytes: int = 0
+    peak_temporary_bytes: int = 0
+    flops: float = 0.0
+    supersteps: int = 0
+    per_iteration_loops: int = 0
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+    largest_arrays: list[str] = field(default_factory=list)
+    program: str = ""
+    device_cycles: int = 0
+    compute_cycles: int = 0
+    exchange_cycles: int = 0
+    sync_cycles: int = 0
+    host_cycles: int = 0
+    host_bytes_in: int = 0
+    host_bytes_out: int = 0
+    peak_tile: int = 0
+    items_per_call: int = 0
+    preset: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, list[int]] = field(default_factory=dict)
+    contributors: list[dict[str, Any]] = field(default_factory=list)
+    by_layer: list[list[Any]] = field(default_factory=list)
+    top_ops: list[dict[str, Any]] = field(default_factory=list)
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    loops: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    sweep: list[dict[str, Any]] = field(default_factory=list)
+    context: dict[str, Any] = field(default_factory=dict)
+
+    # -- derived figures ------------------------------------------------------------------
+    @property
+    def latency_s(self) -> float:
+        """Seconds per call (one step unless the program loops over several)."""
+        return self.seconds
+
+    @property
+    def throughput(self) -> float:
+        """Items per second (``items_per_call / seconds``); calls per second when the number
+        of items per call is unknown."""
+        if self.seconds <= 0:
+            return 0.0
+        return (self.items_per_call or 1) / self.seconds
+
+    @property
+    def device_seconds(self) -> float:
+        """Seconds on the device alone (no host transfers)."""
+        return self.device_cycles / self.clock_hz
+
+    @property
+    def efficiency(self) -> float:
+        """FLOPs over the preset's FP16 AMP peak for the same time (0..1)."""
+        peak = self.preset.get("amp_fp16_flops_per_cycle_per_tile", 0) * self.tiles_per_ipu
+        return self.flops / (peak * self.device_cycles) if peak and self.device_cycles else 0.0
+
+    # -- output -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able), with the derived figures."""
+        d = asdict(self)
+        d["assumptions"] = list(self.assumptions)
+        d["latency_s"] = self.latency_s
+        d["throughput"] = self.throughput
+        d["device_seconds"] = self.device_seconds
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The report as JSON."""
+        return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
+
+    def save_html(self, path: str) -> str:
+        """Writes the self-contained HTML report to ``path``; returns the path."""
+        from device_server.emulator.tiles.html import save_html
+
+        return save_html(self.to_dict(), path)
+
+    def summary(self) -> str:
+        """One line: time, throughput, memory."""
+        items = f", {self.throughput:,.1f} items/s" if self.items_per_call else ""
+        return (f"{self.program or 'program'} on {self.target}: {self.cycles:,} cycles = "
+                f"{self.seconds * 1e3:.3f} ms{items}; peak tile {self.peak_tile} "
+                f"{self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
+                f"{'' if self.fits else ' (DOES NOT FIT)'}")
+
+    def oom_message(self, top: int = 6) -> str:
+        """Poplar-style out-of-memory message naming the tile, the bytes, the limit, and the
+        largest tensors and Keras layers on that tile."""
+        lines = [
+            f"Out of memory on tile {self.peak_tile}: {self.peak_tile_bytes} bytes used but "
+            f"tiles only have {self.tile_bytes_limit} bytes ({self.target}, "
+            f"{self.tiles_per_ipu} tiles)."
+        ]
+        items = []
+        for c in self.contributors[:top]:
+            layer = f", Keras layer '{c['layer']}'" if c.get("layer") else ""
+            op = f" ({c['opcode']})" if c.get("opcode") else ""
+            items.append(f"'{c['name']}'{op} {c['bytes']:,} B [{c['kind']}{layer}]")
+        if items:
+            lines.append(f"Largest on tile {self.peak_tile}: " + "; ".join(items) + ".")
+        if self.by_layer:
+            layers = "; ".join(f"{name} {nbytes:,} B" for name, nbytes in self.by_layer[:top])
+            lines.append(f"By Keras layer on tile {self.peak_tile}: {layers}.")
+        lines.append(f"In all: {self.total_bytes:,} bytes on {self.tiles_per_ipu} tiles "
+                     f"({self.always_live_bytes:,} always live). Set allow_out_of_memory to "
+                     "compile anyway and inspect the report.")
+        return " ".join(lines)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+# ------------------------------------------------------------------------------ assembly
+
+
+def _walk(steps: Iterable[Step], mult: int, out: list[dict[str, Any]],
+          agg: dict[str, dict[str, Any]], depth: int = 0) -> None:
+    for s in steps:
+        reps = s.repeat * mult
+        own = s.compute + s.exchange + s.sync
+        if s.kind in ("loop", "call"):
+            if s.kind == "loop":
+                out.append({"kind": "loop", "name": s.name, "layer": s.layer, "trips": s.repeat,
+                            "depth": depth})
+            for child in s.children:
+                _walk(child.steps, reps, out, agg, depth + 1)
+            if own <= 0:
+                continue
+        members = s.ew.members if s.ew is not None else 1
+        out.append({"kind": s.kind, "name": s.name, "opcode": s.opcode, "layer": s.layer,
+                    "compute": round(s.compute, 1), "exchange": round(s.exchange, 1),
+                    "sync": round(s.sync, 1), "repeat": reps, "tiles": s.tiles, "depth": depth,
+                    "fused": members})
+        a = agg.get(s.name)
+        if a is None:
+            a = agg[s.name] = {"name": s.name, "opcode": s.opcode, "layer": s.layer, "kind": s.kind,
+                               "cycles": 0.0, "compute": 0.0, "exchange": 0.0, "sync": 0.0,
+                               "supersteps": 0, "flops": 0.0, "tiles": s.tiles, "fused": members}
+        a["cycles"] += own * reps
+        a["compute"] += s.compute * reps
+        a["exchange"] += s.exchange * reps
+        a["sync"] += s.sync * reps
+        a["supersteps"] += reps
+        a["flops"] += s.flops * reps
+
+
+def _cap_timeline(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At most ``_TIMELINE_LIMIT`` entries: runs of consecutive supersteps are merged evenly."""
+    steps = [e for e in entries if e["kind"] != "loop"]
+    if len(steps) <= _TIMELINE_LIMIT:
+        return entries
+    per = math.ceil(len(steps) / _TIMELINE_LIMIT)
+    out: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        first = run[0]
+        merged = {**first, "repeat": 1, "fused": sum(e.get("fused", 1) for e in run)}
+        for k in ("compute", "exchange", "sync"):
+            merged[k] = round(sum(e[k] * e.get("repeat", 1) for e in run), 1)
+        if len(run) > 1:
+            merged["name"] = f"{first['name']} (+{len(run) - 1} more)"
+            merged["kind"] = "merged"
+        out.append(merged)
+        run.clear()
+
+    for e in entries:
+        if e["kind"] == "loop":
+            flush()
+            out.append(e)
+            continue
+        run.append(e)
+        if len(run) >= per:
+            flush()
+    flush()
+    return out
+
+
+def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
+    """The :class:`Estimate` of a planned module."""
+    t: Target = plan.target
+    mem: MemoryProfile = profile_memory(plan)
+    compute, exchange, sync, _ = plan.entry.totals()
+    device = int(math.ceil(compute + exchange + sync))
+    host_s = cyc.host_seconds(t, plan.host_bytes_in, plan.host_bytes_out)
+    host_cycles = int(math.ceil(host_s * t.clock_hz))
+    total_cycles = device + host_cycles
+    timeline: list[dict[str, Any]] = []
+    agg: dict[str, dict[str, Any]] = {}
+    _walk(plan.entry.steps, 1, timeline, agg)
+    top = sorted(agg.values(), key=lambda a: -a["cycles"])
+    for a in top:
+        for k in ("cycles", "compute", "exchange", "sync"):
+            a[k] = round(a[k], 1)
+    layers: dict[str, dict[str, Any]] = {}
+    for a in top:
+        key = a["layer"] or "(no layer)"
+        L = layers.setdefault(key, {"layer": key, "cycles": 0.0, "flops": 0.0, "supersteps": 0})
+        L["cycles"] += a["cycles"]
+        L["flops"] += a["flops"]
+        L["supersteps"] += a["supersteps"]
+    assumptions = list(ASSUMPTIONS)
+    unknown = sum(1 for lp in plan.loops if lp["kind"] == "unknown")
+    for lp in plan.loops:
+        if lp["note"]:
+            assumptions.append(lp["note"])
+    peak_not_always = mem.peak_not_always_live_bytes
+    contributors = [c.to_dict() for c in mem.contributors]
+    return Estimate(
+        ipu_version=t.ipu_version,
+        tiles_per_ipu=t.tiles_per_ipu,
+        clock_hz=t.clock_hz,
+        cycles=total_cycles,
+        seconds=total_cycles / t.clock_hz,
+        peak_tile_bytes=mem.peak_bytes,
+        tile_bytes_limit=t.sram_bytes_per_tile,
+        total_bytes=int(mem.always_live_bytes + peak_not_always),
+        fits=mem.peak_bytes <= t.sram_bytes_per_tile,
+        target=f"{t.product} ({t.name})",
+        always_live_bytes=int(mem.always_live_bytes),
+        peak_temporary_bytes=int(peak_not_always),
+        flops=float(plan.flops),
+        supersteps=int(plan.entry.supersteps()),
+        per_iteration_loops=unknown,
+        assumptions=tuple(assumptions),
+        largest_arrays=[f"{c.bytes} B on tile {mem.peak_tile} for '{c.name}'"
+                        + (f" (Keras layer '{c.layer}')" if c.layer else "")
+                        for c in mem.contributors[:10]],
+        program=program,
+        device_cycles=device,
+        compute_cycles=int(round(compute)),
+        exchange_cycles=int(round(exchange)),
+        sync_cycles=int(round(sync)),
+        host_cycles=host_cycles,
+        host_bytes_in=plan.host_bytes_in,
+        host_bytes_out=plan.host_bytes_out,
+        peak_tile=mem.peak_tile,
+        preset=t.to_dict(),
+        memory={c: [int(round(x)) for x in mem.categories[c]] for c in CATEGORIES},
+        contributors=contributors,
+        by_layer=[[name, int(b)] for name, b in mem.by_layer()],
+        top_ops=top[:_TOP_OPS],
+        layers=sorted(({**v, "cycles": round(v["cycles"], 1)} for v in layers.values()),
+                      key=lambda v: -v["cycles"]),
+        timeline=_cap_timeline(timeline),
+        loops=plan.loops,
+        notes=plan.notes,
+    )
+
+
+def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, *,
+                    param_kinds: dict[int, str] | None = None,
+                    mappings: dict[str, TileMapping] | None = None) -> Estimate:
+    """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
+    arguments).
+
+    A failure of the model itself (a bug, an IR shape it does not know) must not stop the
+    program from compiling and running: it is logged, and the estimate then says so in its
+    ``notes`` and has no figures (``fits`` is True, as nothing was counted).
+    """
+    try:
+        plan = plan_module(module, target, live, param_kinds=param_kinds, mappings=mappings)
+        return estimate_plan(plan, module.name)
+    except Exception as e:  # noqa: BLE001 - reported, never fatal
+        _log.warning("tile model failed on module %r: %s: %s", module.name, type(e).__name__, e,
+                     exc_info=True)
+        return Estimate(
+            ipu_version=target.ipu_version, tiles_per_ipu=target.tiles_per_ipu,
+            clock_hz=target.clock_hz, cycles=0, seconds=0.0, peak_tile_bytes=0,
+            tile_bytes_limit=target.sram_bytes_per_tile, total_bytes=0, fits=True,
+            target=f"{target.product} ({target.name})", program=module.name,
+            preset=target.to_dict(),
+            notes=[f"the tile model failed on this program ({type(e).__name__}: {e}); "
+                   "no figures were estimated"],
+        )

@@ -1,0 +1,262 @@
+"""Helpers for the device server's service tests, its fuzz campaign and its load benchmark:
+small IR programs built by hand (no TensorFlow needed) and standalone server processes.
+
+    module = sgd_module(batch=16, dim=8)           # a training-like step, w resident
+    server = ServerProcess.start(["--ipus", "2"])  # python -m device_server on a free port
+    ...
+    server.kill()                                  # SIGKILL; .restart() on the same port
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from device_server.protocol import dtypes, ir_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- hand-built IR programs ----------------------------------------------------------------
+
+
+class Builder:
+    """Builds one computation of a module (the entry, or one it calls)."""
+
+    def __init__(self, module: ir_pb2.Module, comp_id: int, name: str) -> None:
+        self.module = module
+        self.comp = module.computations.add(id=comp_id, name=name)
+        self._params = 0
+
+    def _add(self, opcode: str, operands: Sequence[int], shape: ir_pb2.Shape, **attrs: object) -> int:
+        iid = len(self.comp.instructions)
+        instr = self.comp.instructions.add(
+            id=iid, name=f"{self.comp.name}.{opcode}.{iid}", opcode=opcode,
+            operands=list(operands), shape=shape,
+        )
+        for key, value in attrs.items():
+            if isinstance(value, np.ndarray):
+                instr.attrs[key].literal.CopyFrom(literal(value))
+            elif isinstance(value, str):
+                instr.attrs[key].s = value
+            elif isinstance(value, int):
+                instr.attrs[key].i = value
+            else:
+                instr.attrs[key].ints.values.extend(value)
+                instr.attrs[key].ints.SetInParent()
+        return iid
+
+    def shape(self, iid: int) -> ir_pb2.Shape:
+        return self.comp.instructions[iid].shape
+
+    def parameter(self, shape: ir_pb2.Shape) -> int:
+        iid = self._add("parameter", [], shape)
+        self.comp.instructions[iid].parameter_number = self._params
+        self._params += 1
+        return iid
+
+    def constant(self, value: np.ndarray) -> int:
+        return self._add("constant", [], array_shape(value.dtype, value.shape), value=value)
+
+    def op(self, opcode: str, operands: Sequence[int], shape: ir_pb2.Shape | None = None,
+           called: Sequence[int] = (), **attrs: object) -> int:
+        """An instruction; its shape is its first operand's unless given."""
+        iid = self._add(opcode, operands, shape or self.shape(operands[0]), **attrs)
+        self.comp.instructions[iid].called_computations.extend(called)
+        return iid
+
+    def dot(self, lhs: int, rhs: int, lc: int, rc: int, dims: Sequence[int]) -> int:
+        return self.op("dot", [lhs, rhs], array_shape(np.float32, dims),
+                       lhs_contracting_dimensions=[lc], rhs_contracting_dimensions=[rc],
+                       lhs_batch_dimensions=[], rhs_batch_dimensions=[])
+
+    def tuple(self, elements: Sequence[int]) -> int:
+        shape = ir_pb2.Shape(is_tuple=True, tuple_shapes=[self.shape(e) for e in elements])
+        return self.op("tuple", elements, shape)
+
+    def root(self, iid: int) -> None:
+        self.comp.root_id = iid
+
+
+def array_shape(dtype: object, dims: Sequence[int]) -> ir_pb2.Shape:
+    return ir_pb2.Shape(dtype=dtypes.from_numpy(np.dtype(dtype)), dims=list(dims))
+
+
+def literal(value: np.ndarray) -> ir_pb2.Literal:
+    a = np.asarray(value, order="C")
+    return ir_pb2.Literal(shape=array_shape(a.dtype, a.shape), data=a.tobytes())
+
+
+def sgd_module(batch: int = 16, dim: int = 8, lr: float = 0.05, name: str = "sgd") -> ir_pb2.Module:
+    """One step of least-squares regression by SGD, a training step in miniature.
+
+    Parameters ``x: f32[batch, dim]``, ``y: f32[batch, 1]``, ``w: f32[dim, 1]`` (resident);
+    outputs ``(loss: f32[1, 1], new w)`` with output 1 aliased to parameter 2.
+    """
+    m = ir_pb2.Module(name=name, entry_computation_id=0, frontend="test")
+    b = Builder(m, 0, "main")
+    x = b.parameter(array_shape(np.float32, [batch, dim]))
+    y = b.parameter(array_shape(np.float32, [batch, 1]))
+    w = b.parameter(array_shape(np.float32, [dim, 1]))
+    err = b.op("subtract", [b.dot(x, w, 1, 0, [batch, 1]), y])
+    grad = b.dot(x, err, 0, 0, [dim, 1])
+    scale = b.op("broadcast", [b.constant(np.array(lr / batch, np.float32))],
+                 array_shape(np.float32, [dim, 1]), dimensions=[])
+    new_w = b.op("subtract", [w, b.op("multiply", [grad, scale])])
+    loss = b.dot(err, err, 0, 0, [1, 1])
+    b.root(b.tuple([loss, new_w]))
+    m.aliases.add(output_index=1, parameter_number=2)
+    return m
+
+
+def sgd_reference(x: np.ndarray, y: np.ndarray, w: np.ndarray, lr: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """numpy's (loss, new w) for ``sgd_module``."""
+    err = x @ w - y
+    return err.T @ err, w - (x.T @ err) * np.float32(lr / x.shape[0])
+
+
+def loop_module(dim: int = 32, name: str = "loop") -> ir_pb2.Module:
+    """A program whose run time the caller picks: ``n`` times ``x = tanh(x @ W)``.
+
+    Parameters ``n: s32[]``, ``x: f32[dim, dim]``; output the final ``x``.
+    """
+    m = ir_pb2.Module(name=name, entry_computation_id=0, frontend="test")
+    s32, mat = array_shape(np.int32, []), array_shape(np.float32, [dim, dim])
+    state = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, mat, s32])
+    pred = array_shape(np.bool_, [])
+
+    cond = Builder(m, 1, "cond")
+    p = cond.parameter(state)
+    i = cond.op("get-tuple-element", [p], s32, index=0)
+    n = cond.op("get-tuple-element", [p], s32, index=2)
+    cond.root(cond.op("compare", [i, n], pred, direction="LT", compare_type="SIGNED"))
+
+    body = Builder(m, 2, "body")
+    p = body.parameter(state)
+    i = body.op("get-tuple-element", [p], s32, index=0)
+    x = body.op("get-tuple-element", [p], mat, index=1)
+    n = body.op("get-tuple-element", [p], s32, index=2)
+    one = body.constant(np.array(1, np.int32))
+    weights = np.eye(dim, dtype=np.float32) * 0.9 + 0.01
+    xw = body.dot(x, body.constant(weights), 1, 0, [dim, dim])
+    body.root(body.tuple([body.op("add", [i, one]), body.op("tanh", [xw]), n]))
+
+    main = Builder(m, 0, "main")
+    n = main.parameter(s32)
+    x = main.parameter(mat)
+    init = main.tuple([main.constant(np.array(0, np.int32)), x, n])
+    loop = main.op("while", [init], state, called=[1, 2])
+    main.root(main.op("get-tuple-element", [loop], mat, index=1))
+    # The entry computation comes first in the module, as the converter writes it.
+    m.computations.sort(key=lambda c: c.id)
+    return m
+
+
+# -- standalone server processes -----------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH (and ``extra`` set)."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+class ServerProcess:
+    """``python -m device_server`` on a fixed port, as a child process.
+
+    Args:
+        args: extra command line arguments.
+        port: the port (a free one if 0); kept across ``restart``.
+        env: the child's environment (``child_env()`` by default).
+        log_path: where its stderr goes (a pipe is never used: a full pipe would block it).
+    """
+
+    def __init__(self, args: Sequence[str] = (), port: int = 0, env: dict[str, str] | None = None,
+                 log_path: str | os.PathLike | None = None) -> None:
+        self.args = list(args)
+        self.port = port or free_port()
+        self.env = env or child_env()
+        self.log_path = Path(log_path) if log_path else Path(
+            f"/tmp/tf_ipu_test_server_{os.getpid()}_{self.port}.log")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, args: Sequence[str] = (), **kwargs: object) -> ServerProcess:
+        server = cls(args, **kwargs)  # type: ignore[arg-type]
+        server.restart()
+        return server
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Starts the server (again, on the same port) and waits until it serves."""
+        port_file = self.log_path.with_suffix(".port")
+        port_file.unlink(missing_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "device_server", "--port", str(self.port),
+                 "--port-file", str(port_file), *self.args],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
+            )
+        end = time.monotonic() + timeout
+        while not port_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"device server exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"device server did not start in {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.02)
+        port_file.unlink(missing_ok=True)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL, and reap it."""
+        if self.alive():
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM (then SIGKILL after 10 s); removes the log."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log_path.unlink(missing_ok=True)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
