@@ -225,3 +225,33 @@ def test_validation_data_and_sample_weights_match_cpu(strategy):
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(h_ipu[key], h_ref[key], rtol=1e-4, err_msg=key)
     assert h_ipu["val_accuracy"] == pytest.approx(h_ref["val_accuracy"], abs=1e-6)
+
+
+def test_out_of_memory_when_predict_compiles_names_tile_and_layer(strategy):
+    """With 16 tiles, ~6 MB of weights fit a GC200's SRAM (16 x 624 KiB) but not a GC2's
+    (16 x 256 KiB): predict fails at compile time with Poplar's message, then works."""
+    cfg = tf_ipu.get_runtime().config
+    x = np.random.default_rng(0).standard_normal((4, 1024)).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((1024,)), keras.layers.Dense(1536, name="wide_dense")], name="wide"
+        )
+    try:
+        cfg.ipu_model.version = "ipu1"
+        cfg.ipu_model.tiles_per_ipu = 16
+        cfg.configure_ipu_system()
+        with pytest.raises(tf_ipu.errors.OutOfMemoryError) as info:
+            model.predict(x, verbose=0)
+        msg = str(info.value)
+        assert "Out of memory on tile" in msg and "262144 bytes" in msg, msg
+        assert "wide_dense" in msg, msg
+        cfg.ipu_model.version = "ipu2"
+        cfg.configure_ipu_system()
+        out = model.predict(x, verbose=0)
+        keras.utils.set_random_seed(0)
+        np.testing.assert_allclose(out, model(x).numpy(), rtol=1e-5, atol=1e-5)
+        assert tf_ipu.get_runtime().reports[-1].tiles_per_ipu == 16
+    finally:
+        cfg.ipu_model.version = "ipu2"
+        cfg.ipu_model.tiles_per_ipu = 0
+        cfg.configure_ipu_system()

@@ -25,6 +25,7 @@ nothing ran on the device, so nothing is lost.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import json
@@ -246,6 +247,9 @@ class DeviceRuntime:
         if self._local_server is not None and self._local_server.alive():
             return self._local_server.address
         self._local_server = start_local_server(num_ipus=16, ipu_version="ipu2")
+        # atexit runs last-registered first: close the session (and its heartbeat) before
+        # the local server, registered by start_local_server, is stopped.
+        atexit.register(self.shutdown)
         return self._local_server.address
 
     def _disconnect(self) -> None:

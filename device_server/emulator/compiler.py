@@ -33,6 +33,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import keyword
+import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +54,10 @@ from device_server.emulator.errors import (
 )
 from device_server.emulator.estimate import Estimate, estimate_module
 from device_server.protocol import dtypes, ir_pb2
+
+# Words the generated code may contain besides names it defines and its globals.
+_SAFE_WORDS = frozenset(keyword.kwlist) | {"run", "args", "e", "x", "Exception", "out"}
+_GENERATED = re.compile(r"(p|v|u|k|s)[0-9]+|g[0-9]+_[A-Za-z0-9_]+|[0-9][A-Za-z0-9_]*")
 
 __all__ = ["CompileOptions", "Executable", "compile_module", "literal_to_value"]
 
@@ -336,6 +343,12 @@ def _generate(
         )
 
     g["fail"] = fail
+    # The generated source holds only names we made (p0, v12, u3, g4_axis) and templates
+    # written in the kernels: no text from the program (names, attributes, constants) ever
+    # becomes code; values reach the function through its globals. Guard that here.
+    for ident in re.findall(r"(?<![.\w])[A-Za-z_]\w*", re.sub(r"\b\w+=(?!=)", "", source)):
+        if ident not in _SAFE_WORDS and not _GENERATED.fullmatch(ident) and ident not in g:
+            raise InvalidProgramError(f"internal: unexpected name {ident!r} in generated code")
     code = compile(source, f"<emulator computation '{name}'>", "exec")
     exec(code, g)
     return source, g["run"]
@@ -625,15 +638,16 @@ class _Compiler:
                 kept.append((step, instr))
         raw_steps = kept[::-1]
         _reuse_buffers(raw_steps, root_slot)
+        param_instrs = [i for i in live if i.opcode == "parameter"]
         big = frozenset(
             step.out for step, instr in raw_steps if _static_nbytes(instr.shape) >= _DROP_BYTES
-        ) | frozenset(params[n] for n in params if _static_nbytes(
-            next(i for i in live if i.opcode == "parameter" and i.parameter_number == n).shape
-        ) >= _DROP_BYTES)
+        ) | frozenset(
+            params[i.parameter_number] for i in param_instrs if _static_nbytes(i.shape) >= _DROP_BYTES
+        )
         consts = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
         scalar_params = frozenset(
-            params[i.parameter_number] for i in live if i.opcode == "parameter"
-            and not i.shape.is_tuple and i.shape.dtype != ir_pb2.TOKEN and not i.shape.dims
+            params[i.parameter_number] for i in param_instrs
+            if not i.shape.is_tuple and i.shape.dtype != ir_pb2.TOKEN and not i.shape.dims
         )
         return Program(
             comp.name, [st for st, _ in raw_steps], [i for _, i in raw_steps], consts,
@@ -668,7 +682,7 @@ def _static_nbytes(shape: ir_pb2.Shape) -> int:
         return sum(_static_nbytes(s) for s in shape.tuple_shapes)
     if shape.dtype == ir_pb2.TOKEN:
         return 0
-    return int(np.prod(shape.dims, dtype=np.int64)) * dtypes.to_numpy(shape.dtype).itemsize
+    return math.prod(shape.dims) * dtypes.to_numpy(shape.dtype).itemsize
 
 
 def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) -> bool:
