@@ -22,6 +22,7 @@ BENCHES = {
     "estimate": lambda quick: __import__("bench.bench_estimate", fromlist=["main"]).main(quick),
     "server": bench_server.main,
     "emulator": lambda quick: __import__("bench.bench_emulator", fromlist=["main"]).main(quick),
+    "conv": lambda quick: __import__("bench.bench_conv", fromlist=["main"]).main(quick),
 }
 
 

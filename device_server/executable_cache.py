@@ -17,7 +17,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,7 @@ def cache_key(
     refuse_opcodes: frozenset[str],
     fault_inject_opcode: str,
     allow_out_of_memory: bool,
+    numerics: Mapping[str, Any] | None = None,
 ) -> str:
     """The hex sha256 that identifies an executable.
 
@@ -43,20 +44,24 @@ def cache_key(
         tiles_per_ipu: tiles per IPU the program is compiled for.
         refuse_opcodes, fault_inject_opcode, allow_out_of_memory: the effective compile
             options (after the server's own flags were merged in).
+        numerics: the numerics options (partials, floating-point behaviour, seed) as the
+            emulator's ``CompileOptions`` fields; None or empty for the defaults.
 
     Returns:
         64 hex digits.
     """
-    options = json.dumps(
-        {
-            "ipu_version": ipu_version,
-            "tiles_per_ipu": int(tiles_per_ipu),
-            "refuse_opcodes": sorted(refuse_opcodes),
-            "fault_inject_opcode": fault_inject_opcode,
-            "allow_out_of_memory": bool(allow_out_of_memory),
-        },
-        sort_keys=True,
-    ).encode()
+    fields: dict[str, Any] = {
+        "ipu_version": ipu_version,
+        "tiles_per_ipu": int(tiles_per_ipu),
+        "refuse_opcodes": sorted(refuse_opcodes),
+        "fault_inject_opcode": fault_inject_opcode,
+        "allow_out_of_memory": bool(allow_out_of_memory),
+    }
+    # Only what differs from the defaults (False, 0, "", "float"), so default keys stay stable.
+    changed = {k: v for k, v in (numerics or {}).items() if v not in (False, 0, "", "float")}
+    if changed:
+        fields["numerics"] = changed
+    options = json.dumps(fields, sort_keys=True).encode()
     h = hashlib.sha256()
     h.update(_KEY_VERSION + b"\0")
     h.update(len(options).to_bytes(8, "little") + options)

@@ -42,6 +42,7 @@ import device_server
 from device_server.emulator import (
     CompileOptions,
     EmulatorError,
+    FloatingPointExceptionError,
     InvalidProgramError,
     OutOfMemoryError,
     UnsupportedOpError,
@@ -553,10 +554,13 @@ class DeviceService:
             refuse = frozenset(request.options.refuse_opcodes) | self._server_refuse
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
             allow_oom = request.options.allow_out_of_memory
-            key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom)
+            numerics = _numerics_options(request.options)
+            key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom,
+                            numerics)
             target = s.target
             options = CompileOptions(
-                refuse_opcodes=refuse, fault_inject_opcode=fault, allow_out_of_memory=allow_oom
+                refuse_opcodes=refuse, fault_inject_opcode=fault, allow_out_of_memory=allow_oom,
+                **numerics,
             )
 
             def build() -> Any:
@@ -755,6 +759,10 @@ class DeviceService:
             except OutOfMemoryError as e:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: {e}",
                                    kind="out-of-memory") from e
+            except FloatingPointExceptionError as e:
+                # The program's own arithmetic (as TF's CheckNumerics reports it), not a fault
+                # of the server: INVALID_ARGUMENT, refined by the kind.
+                raise ServiceError(_INVALID, f"{what}: {e}", kind="floating-point-exception") from e
             except EmulatorError as e:
                 raise ServiceError(grpc.StatusCode.INTERNAL, f"{what} failed on the device: {e}",
                                    kind="execution") from e
@@ -946,6 +954,23 @@ def _check_array_sizes(module: ir_pb2.Module, limit: int) -> None:
                     f"allows one session ({limit} bytes, --max-session-bytes).",
                     kind="out-of-memory",
                 )
+
+
+def _numerics_options(options: device_pb2.CompileOptions) -> dict[str, Any]:
+    """The emulator ``CompileOptions`` fields for a request's numerics (partials, stochastic
+    rounding, floating-point exception checks); defaults when the request says nothing."""
+    fp = options.floating_point_behaviour
+    out: dict[str, Any] = {}
+    for name in ("matmul_partials_type", "convolution_partials_type"):
+        value = getattr(options, name)
+        if value not in ("", "float", "half"):
+            raise ServiceError(_INVALID, f"Compile: CompileOptions.{name} must be 'float' or "
+                               f"'half', not {value!r}.", kind="invalid-options")
+        out[name] = value or "float"
+    for name in ("inv", "div0", "oflo", "esr", "nanoo"):
+        out[name] = bool(getattr(fp, name))
+    out["stochastic_rounding_seed"] = int(options.stochastic_rounding_seed)
+    return out
 
 
 def _compile_error(error: Exception, module_name: str) -> Exception:

@@ -22,12 +22,11 @@ in some padded select-and-scatter windows XLA CPU breaks ties in another order t
 sequential definition; a scatter with an empty index vector and several update windows
 applies only one of them in XLA CPU.
 
-Benchmark (skipped unless ``TF_IPU_BENCH=1``): ``test_bench_conv_vs_tf``.
+Benchmarks of these kernels (against TF on CPU) are in ``bench/bench_conv.py``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -681,113 +680,3 @@ def test_select_and_scatter_ties(select: str) -> None:
     got = REGISTRY["select-and-scatter"](ctx)([x, src, np.float32(0.5)])
     ref = _sequential_select_and_scatter(x, src, 0.5, size, strides, pads, lambda a, b: bool(pick(a, b)))
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
-
-
-# --------------------------------------------------------------------------- benchmark
-
-_BENCH_SHAPES = [  # (batch, image, in channels, kernel, out channels, stride, groups)
-    (32, 56, 64, 3, 64, 1, 1), (32, 28, 128, 3, 128, 1, 1), (32, 14, 256, 3, 256, 1, 1),
-    (32, 7, 256, 3, 256, 1, 1), (32, 28, 128, 1, 256, 1, 1), (8, 56, 64, 3, 128, 2, 1),
-    (1, 224, 32, 3, 32, 1, 1), (4, 112, 64, 3, 64, 1, 1), (8, 224, 3, 7, 64, 2, 1),
-    (16, 28, 128, 3, 128, 1, 128), (16, 28, 128, 3, 128, 1, 4),
-]
-
-
-def _nhwc_conv_ctx(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int, groups: int) -> _HandCtx:
-    n, h, w_, _ = x_shape
-    k = w_shape[0]
-    oh = ow = -(-h // stride)  # TF's "SAME"
-    total = max((oh - 1) * stride + k - h, 0)
-    pad = (total // 2, total - total // 2)
-    attrs = dict(input_batch_dimension=0, input_feature_dimension=3, input_spatial_dimensions=(1, 2),
-                 kernel_input_feature_dimension=2, kernel_output_feature_dimension=3,
-                 kernel_spatial_dimensions=(0, 1), output_batch_dimension=0, output_feature_dimension=3,
-                 output_spatial_dimensions=(1, 2), window_size=(k, k), window_strides=(stride, stride),
-                 padding_low=(pad[0],) * 2, padding_high=(pad[1],) * 2, feature_group_count=groups,
-                 batch_group_count=1)
-    return _HandCtx("convolution", [x_shape, w_shape], [np.float32] * 2, (n, oh, ow, w_shape[3]), np.float32,
-                    attrs, [])
-
-
-@pytest.mark.skipif(not os.environ.get("TF_IPU_BENCH"), reason="benchmark: set TF_IPU_BENCH=1")
-def test_bench_conv_vs_tf() -> None:
-    """Times the convolution kernel against tf.nn.conv2d on CPU (best of 5, after a warm-up):
-    ``TF_IPU_BENCH=1 pytest tests/test_emulator_spatial.py -k bench -s``."""
-    import time
-
-    def best(fn: Callable[[], Any], reps: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    rng = np.random.default_rng(0)
-    ratios = []
-    print("\nshape (N,H,C,K,O,stride,groups)      kernel ms   tf.nn.conv2d ms   ratio")
-    for n, h, c, k, o, s, g in _BENCH_SHAPES:
-        x, w = rand(rng, (n, h, h, c)), rand(rng, (k, k, c // g, o))
-        kern = REGISTRY["convolution"](_nhwc_conv_ctx(x.shape, w.shape, s, g))
-        xt, wt = tf.constant(x), tf.constant(w)
-        ref = tf.nn.conv2d(xt, wt, s, "SAME").numpy()
-        np.testing.assert_allclose(kern([x, w]), ref, rtol=2e-3, atol=2e-3 * float(np.abs(ref).max()))
-        ours = best(lambda x=x, w=w, kern=kern: kern([x, w]))
-        theirs = best(lambda xt=xt, wt=wt, s=s: tf.nn.conv2d(xt, wt, s, "SAME").numpy())
-        ratios.append(ours / theirs)
-        print(f"{(n, h, c, k, o, s, g)!s:36} {ours * 1e3:9.1f}   {theirs * 1e3:15.1f}   {ours / theirs:5.2f}x")
-    print(f"geometric mean ratio: {float(np.exp(np.mean(np.log(ratios)))):.2f}x")
-
-
-@pytest.mark.skipif(not os.environ.get("TF_IPU_BENCH"), reason="benchmark: set TF_IPU_BENCH=1")
-def test_bench_training_ops_vs_tf() -> None:
-    """Times the lowered gradients of conv2d and max_pool2d on the emulator (whole program:
-    the spatial kernels plus the glue around them) against the same functions run by TF on CPU
-    without XLA (best of 5): ``TF_IPU_BENCH=1 pytest tests/test_emulator_spatial.py -k bench -s``."""
-    import time
-
-    from device_server.emulator import CompileOptions, compile_module, get_target
-
-    def best(fn: Callable[[], Any], reps: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    def conv_grads(x: tf.Tensor, w: tf.Tensor, dy: tf.Tensor) -> Any:
-        with tf.GradientTape() as tape:
-            tape.watch([x, w])
-            y = tf.nn.conv2d(x, w, 1, "SAME")
-        return tape.gradient(y, [x, w], output_gradients=dy)
-
-    def pool_grads(x: tf.Tensor, dy: tf.Tensor) -> Any:
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = tf.nn.max_pool2d(x, 3, 2, "SAME")
-        return y, tape.gradient(y, x, output_gradients=dy)
-
-    rng = np.random.default_rng(0)
-    cases = [
-        ("conv2d 3x3 fwd+grads (32,28,28,128)->128", conv_grads,
-         [rand(rng, (32, 28, 28, 128)), rand(rng, (3, 3, 128, 128)), rand(rng, (32, 28, 28, 128))]),
-        ("conv2d 3x3 fwd+grads (8,56,56,64)->64", conv_grads,
-         [rand(rng, (8, 56, 56, 64)), rand(rng, (3, 3, 64, 64)), rand(rng, (8, 56, 56, 64))]),
-        ("max_pool 3x3/2 SAME fwd+grad (32,112,112,64)", pool_grads,
-         [rand(rng, (32, 112, 112, 64)), rand(rng, (32, 56, 56, 64))]),
-    ]
-    print("\ncase                                             emulator ms   TF (no XLA) ms   ratio")
-    for name, fn, args in cases:
-        targs = [tf.constant(a) for a in args]
-        module, expected = eu.lower(tf.function(fn, jit_compile=True, autograph=False), *targs)
-        exe = compile_module(module, get_target("ipu2"), CompileOptions(allow_out_of_memory=True))
-        got = exe.run(args)
-        for g, e in zip(got, expected, strict=True):
-            np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-3 * float(np.abs(e).max()))
-        plain = tf.function(fn, autograph=False)
-        ours = best(lambda exe=exe, args=args: exe.run(args))
-        theirs = best(lambda plain=plain, targs=targs: [t.numpy() for t in tf.nest.flatten(plain(*targs))])
-        print(f"{name:48} {ours * 1e3:11.1f}   {theirs * 1e3:14.1f}   {ours / theirs:5.2f}x")

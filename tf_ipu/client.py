@@ -507,6 +507,10 @@ class DeviceClient:
         refuse_opcodes: Iterable[str] = (),
         fault_inject_opcode: str = "",
         allow_out_of_memory: bool = False,
+        matmul_partials_type: str = "",
+        convolution_partials_type: str = "",
+        floating_point_behaviour: Mapping[str, bool] | None = None,
+        stochastic_rounding_seed: int = 0,
     ) -> CompiledProgram:
         """Compiles a program for the session's IPUs (cached on the server by content).
 
@@ -517,6 +521,11 @@ class DeviceClient:
             refuse_opcodes: opcodes to refuse (debugging).
             fault_inject_opcode: opcode whose results to perturb (debugging).
             allow_out_of_memory: compile (and report) even if it does not fit.
+            matmul_partials_type, convolution_partials_type: "float" (default) or "half":
+                the accumulator of FP16 matrix products / convolutions.
+            floating_point_behaviour: ``inv``, ``div0``, ``oflo``, ``esr``, ``nanoo`` flags
+                (``IPUConfig.floating_point_behaviour``); unnamed flags stay off.
+            stochastic_rounding_seed: seed of stochastic rounding (0: from the program).
 
         Returns:
             A ``CompiledProgram``.
@@ -533,6 +542,17 @@ class DeviceClient:
             opts.fault_inject_opcode = fault_inject_opcode
         if allow_out_of_memory:
             opts.allow_out_of_memory = True
+        if matmul_partials_type:
+            opts.matmul_partials_type = matmul_partials_type
+        if convolution_partials_type:
+            opts.convolution_partials_type = convolution_partials_type
+        for name, value in (floating_point_behaviour or {}).items():
+            if name not in ("inv", "div0", "oflo", "esr", "nanoo"):
+                raise ValueError(f"floating_point_behaviour: unknown flag {name!r}.")
+            if value:
+                setattr(opts.floating_point_behaviour, name, True)
+        if stochastic_rounding_seed:
+            opts.stochastic_rounding_seed = int(stochastic_rounding_seed)
         reply = self._call(
             "Compile",
             device_pb2.CompileRequest(session_id=self.session_id, module=module, options=opts),

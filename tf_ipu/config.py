@@ -2,7 +2,8 @@
 
 The names follow Graphcore's IPU TensorFlow API (``IPUConfig``, ``auto_select_ipus``,
 ``ipu_model.version``, ``ipu_model.tiles_per_ipu``, ``floating_point_behaviour``,
-``configure_ipu_system``) so that code written for it ports over.
+``matmuls``, ``convolutions``, ``configure_ipu_system``) so that code written for it ports
+over. Numerics options are described in docs/user_guide.md ("Numerics").
 
     cfg = tf_ipu.IPUConfig()
     cfg.auto_select_ipus = 1
@@ -91,8 +92,16 @@ class IpuModelOptions(_Section):
 
 
 class FloatingPointBehaviour(_Section):
-    """``floating_point_behaviour``: exception checks and stochastic rounding (recorded;
-    the emulator's numerics issue acts on them)."""
+    """``floating_point_behaviour``: the IPU's floating-point control bits. All off by default.
+
+    Attributes:
+        inv: stop the step when an instruction produces NaN from operands that are not NaN.
+        div0: stop the step when a division by zero produces +-inf.
+        oflo: stop the step when an instruction produces +-inf from finite operands (leave it
+            off with ``mixed_float16``: dynamic loss scaling overflows on purpose).
+        esr: stochastic rounding of FP32 -> FP16 (conversions and FP16 arithmetic results).
+        nanoo: an FP16 result that overflows becomes NaN (off: +-inf as in IEEE).
+    """
 
     _fields = {"inv": False, "div0": False, "oflo": False, "esr": False, "nanoo": False}
     _path = "IPUConfig.floating_point_behaviour"
@@ -101,6 +110,40 @@ class FloatingPointBehaviour(_Section):
         if not isinstance(value, bool):
             raise ValueError(f"{self._path}.{name} must be a bool. Received: {value!r}")
         return value
+
+
+class _PartialsOptions(_Section):
+    _fields = {"partials_type": "float"}
+
+    def _check(self, name: str, value: Any) -> Any:
+        key = str(value).lower()
+        if key not in ("float", "half"):
+            raise ValueError(
+                f"{self._path}.partials_type must be 'float' or 'half'. Received: {value!r}"
+            )
+        return key
+
+
+class MatmulOptions(_PartialsOptions):
+    """``matmuls``: FP16 matrix products (``dot``).
+
+    Attributes:
+        partials_type: "float" (default: products accumulate in FP32 and are rounded once to
+            the result type) or "half" (an FP16 accumulator, rounded after every chunk of
+            the AMP's accumulation width: faster on the IPU, less precise).
+    """
+
+    _path = "IPUConfig.matmuls"
+
+
+class ConvolutionOptions(_PartialsOptions):
+    """``convolutions``: FP16 convolutions.
+
+    Attributes:
+        partials_type: "float" (default) or "half", as for ``matmuls``.
+    """
+
+    _path = "IPUConfig.convolutions"
 
 
 class DebugOptions(_Section):
@@ -131,7 +174,9 @@ class IPUConfig(_Section):
         ipu_model: an ``IpuModelOptions`` (``version``, ``tiles_per_ipu``).
         server_address: "host:port" of a device server; None: ``$TF_IPU_SERVER`` if set,
             else a local server started for this process.
-        floating_point_behaviour: a ``FloatingPointBehaviour``.
+        floating_point_behaviour: a ``FloatingPointBehaviour`` (inv, div0, oflo, esr, nanoo).
+        matmuls: ``MatmulOptions`` (``partials_type``).
+        convolutions: ``ConvolutionOptions`` (``partials_type``).
         debug: ``DebugOptions`` (test switches).
         connect_timeout: seconds to wait for the server before failing.
         server_token: the token a server started with ``--token-file`` wants; None:
@@ -158,6 +203,8 @@ class IPUConfig(_Section):
                 "ipu_model": IpuModelOptions(),
                 "server_address": None,
                 "floating_point_behaviour": FloatingPointBehaviour(),
+                "matmuls": MatmulOptions(),
+                "convolutions": ConvolutionOptions(),
                 "debug": DebugOptions(),
                 "connect_timeout": 5.0,
                 "server_token": None,
@@ -180,7 +227,7 @@ class IPUConfig(_Section):
                     f"IPUConfig.auto_select_ipus must be an int >= 1. "
                     f"Received: auto_select_ipus={value!r}"
                 )
-        if name in ("ipu_model", "floating_point_behaviour", "debug"):
+        if name in ("ipu_model", "floating_point_behaviour", "matmuls", "convolutions", "debug"):
             raise AttributeError(f"IPUConfig.{name} is a group: set its fields instead.")
         if name == "server_token" and value is not None and not isinstance(value, str):
             raise ValueError(f"IPUConfig.server_token must be a str. Received: {type(value).__name__}")
@@ -207,6 +254,14 @@ class IPUConfig(_Section):
         if self.server_token is not None:
             return self.server_token
         return os.environ.get("TF_IPU_SERVER_TOKEN", "")
+
+    def compile_numerics(self) -> dict[str, Any]:
+        """The numerics options every compile sends (``DeviceClient.compile`` keywords)."""
+        return {
+            "matmul_partials_type": self.matmuls.partials_type,
+            "convolution_partials_type": self.convolutions.partials_type,
+            "floating_point_behaviour": self.floating_point_behaviour._as_dict(),
+        }
 
     @property
     def ipu_version(self) -> str:

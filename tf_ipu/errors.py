@@ -10,6 +10,8 @@ the server that said it, and the server's refinement of the code (``kind``, e.g.
      |- DeviceUnavailableError      server unreachable, gone, or not answering (UNAVAILABLE)
      |- DeadlineExceededError       a call ran past its deadline
      |- InvalidArgumentError        bad program or arguments (wrong dtype/shape/arity, ...)
+     |   '- FloatingPointExceptionError  a floating-point exception check fired (inv, div0,
+     |                              oflo in IPUConfig.floating_point_behaviour)
      |- NotFoundError               unknown session, executable handle or variable key
      |- ResourceExhaustedError      no free IPUs, too many queued calls, message too large
      |   '- OutOfMemoryError        the program does not fit in tile memory
@@ -103,6 +105,12 @@ class InvalidArgumentError(_CodedError):
     CODE = "INVALID_ARGUMENT"
 
 
+class FloatingPointExceptionError(InvalidArgumentError):
+    """A floating-point exception check (``IPUConfig.floating_point_behaviour`` ``inv``,
+    ``div0`` or ``oflo``) stopped the step; the message names the flag, the instruction, its
+    opcode, the TF op and the Keras layer. Kind ``"floating-point-exception"``."""
+
+
 class NotFoundError(_CodedError):
     """A session, executable handle or variable key the server does not have."""
 
@@ -166,6 +174,8 @@ def from_status(code: str, message: str, address: str = "", kind: str = "") -> D
     """
     if code == "RESOURCE_EXHAUSTED" and kind == "out-of-memory":
         return OutOfMemoryError(message, address, kind)
+    if code == "INVALID_ARGUMENT" and kind == "floating-point-exception":
+        return FloatingPointExceptionError(message, address, kind)
     if code == "UNIMPLEMENTED" and kind != "unsupported-op":
         # The server does not have the method at all: not an opcode the program uses.
         return DeviceError(code, f"{message} (does the server speak this protocol version?)",
@@ -178,6 +188,7 @@ def from_status(code: str, message: str, address: str = "", kind: str = "") -> D
 
 __all__ = [
     "DeadlineExceededError", "DeviceError", "DeviceUnavailableError", "FailedPreconditionError",
+    "FloatingPointExceptionError",
     "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
     "ResourceExhaustedError", "UnauthenticatedError", "UnsupportedOpError", "from_status",
 ]

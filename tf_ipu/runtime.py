@@ -160,6 +160,7 @@ class DeviceRuntime:
                 tuple(cfg.debug.refuse_opcodes),
                 cfg.debug.fault_inject_opcode,
                 cfg.debug.allow_out_of_memory,
+                repr(cfg.compile_numerics()),
                 token,
                 cfg.server_tls_ca,
             )
@@ -316,6 +317,7 @@ class DeviceRuntime:
             refuse_opcodes=tuple(cfg.debug.refuse_opcodes) if cfg else (),
             fault_inject_opcode=cfg.debug.fault_inject_opcode if cfg else "",
             allow_out_of_memory=cfg.debug.allow_out_of_memory if cfg else False,
+            **(cfg.compile_numerics() if cfg else {}),
         )
         entry.executable_id = compiled.executable_id
         entry.aliases = dict(compiled.aliases)

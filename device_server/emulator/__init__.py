@@ -26,12 +26,17 @@ Errors: :class:`UnsupportedOpError` (compile time; an opcode without a kernel, o
 ``CompileOptions.refuse_opcodes``, or any ``custom-call``), :class:`OutOfMemoryError` (compile
 time, when the estimate does not fit the tiles' SRAM and ``allow_out_of_memory`` is not set),
 :class:`InvalidProgramError` (malformed IR), :class:`ExecutionError` (bad arguments or a kernel
-failure at run time). Messages name the instruction, its opcode, the framework op and the
+failure at run time), :class:`FloatingPointExceptionError` (an ExecutionError: a floating-point
+exception check fired). Messages name the instruction, its opcode, the framework op and the
 Keras layer.
 
 Test switch: ``CompileOptions(fault_inject_opcode="dot")`` perturbs every result of that
 opcode at run time (floats ``x * 1.01 + 1e-3``, integers ``+1``, booleans negated), so a test
 can prove that its comparison would catch a wrong kernel. It is never meant for real runs.
+
+IPU numerics (``numerics.py``, all off by default): FP16 partials for dot/convolution
+(``CompileOptions.partials_type="half"``), stochastic rounding (``esr``), floating-point
+exception checks (``inv``, ``div0``, ``oflo``) and NaN on FP16 overflow (``nanoo``).
 
 Numerics (vs. XLA on CPU, the reference): results match to float32 rounding. Deliberate
 differences: ``maximum``/``minimum`` propagate NaN as XLA's semantics say (TF 2.21's XLA CPU
@@ -44,6 +49,7 @@ from device_server.emulator.compiler import CompileOptions, Executable, compile_
 from device_server.emulator.errors import (
     EmulatorError,
     ExecutionError,
+    FloatingPointExceptionError,
     InvalidProgramError,
     OutOfMemoryError,
     UnsupportedOpError,
@@ -61,6 +67,7 @@ __all__ = [
     "Estimate",
     "Executable",
     "ExecutionError",
+    "FloatingPointExceptionError",
     "InvalidProgramError",
     "OutOfMemoryError",
     "Target",

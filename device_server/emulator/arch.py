@@ -44,6 +44,10 @@ class Target:
     amp_fp32_input_channels: int = 8     # ... and of 8 (fp32)
     amp_fp16_output_channels: int = 16   # AMP produces output channels in groups of 16 (fp16; GC2: 8)
     amp_fp32_output_channels: int = 8    # ... and of 8 (fp32; GC2: 4)
+    # FP16 partials (numerics.py): products one AMP pass sums before it adds them to an FP16
+    # accumulator. Assumption: the AMP's FP16 input-channel group (amp_fp16_input_channels);
+    # Graphcore documents the option (partialsType "half"), not the hardware's summation order.
+    amp_fp16_partials_chunk: int = 16
     vector_bytes: int = 8                # one vector (64-bit) per worker instruction
     flops_per_transcendental: float = 8.0  # vector instructions per exp/log/sqrt/divide/... element
     available_memory_proportion: float = 0.6  # share of a tile a conv/matmul plan may use for temporaries (Poplar's default)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import errors, kernels
+from device_server.emulator import errors, kernels, numerics
 from device_server.emulator.arch import Target
 from device_server.emulator.errors import (
     EmulatorError,
@@ -122,11 +122,47 @@ class CompileOptions:
     tests can prove a comparison would catch a wrong kernel. Never set it in production.
     ``allow_out_of_memory``: compile even if the estimate does not fit the tile memory
     (Poplar's ``allowOutOfMemory``), so the estimate can be inspected.
+
+    Numerics (``numerics.py``; all off by default):
+    ``partials_type``: ``"float"`` (FP16 dot/convolution accumulate in FP32, the default) or
+    ``"half"`` (an FP16 accumulator, rounded after every ``Target.amp_fp16_partials_chunk``
+    products); ``matmul_partials_type`` / ``convolution_partials_type`` override it for
+    ``dot`` / ``convolution`` ("" = ``partials_type``).
+    ``esr``: stochastic rounding of FP32 -> FP16; ``stochastic_rounding_seed``: its seed
+    (0: derived from the module).
+    ``inv``, ``div0``, ``oflo``: floating-point exception checks after every floating-point
+    instruction (:class:`FloatingPointExceptionError`); ``nanoo``: an FP16 overflow gives NaN.
     """
 
     refuse_opcodes: frozenset[str] = frozenset()
     fault_inject_opcode: str = ""
     allow_out_of_memory: bool = False
+    partials_type: str = "float"
+    matmul_partials_type: str = ""
+    convolution_partials_type: str = ""
+    esr: bool = False
+    stochastic_rounding_seed: int = 0
+    inv: bool = False
+    div0: bool = False
+    oflo: bool = False
+    nanoo: bool = False
+
+    def numerics(self, target: Target) -> numerics.Numerics:
+        """The numerics these options ask for on ``target``."""
+        kinds = {}
+        for name, value in (("partials_type", self.partials_type),
+                            ("matmul_partials_type", self.matmul_partials_type or self.partials_type),
+                            ("convolution_partials_type", self.convolution_partials_type or self.partials_type)):
+            if value not in ("float", "half"):
+                raise ValueError(f"CompileOptions.{name} must be 'float' or 'half', not {value!r}.")
+            kinds[name] = value
+        return numerics.Numerics(
+            matmul_partials=kinds["matmul_partials_type"],
+            conv_partials=kinds["convolution_partials_type"],
+            partials_chunk=target.amp_fp16_partials_chunk,
+            esr=bool(self.esr), inv=bool(self.inv), div0=bool(self.div0), oflo=bool(self.oflo),
+            nanoo=bool(self.nanoo), seed=int(self.stochastic_rounding_seed),
+        )
 
 
 # ------------------------------------------------------------------------------ values
@@ -369,6 +405,7 @@ class _Context:
             self.operand_shapes.append(shape)
         self.operand_ir_shapes = [op.shape for op in operands]
         self.operand_instrs = operands
+        self.numerics = compiler.numerics
 
     def error(self, message: str) -> InvalidProgramError:
         """An :class:`InvalidProgramError` naming this instruction."""
@@ -435,9 +472,11 @@ class _Context:
 
 
 class _Compiler:
-    def __init__(self, module: ir_pb2.Module, options: CompileOptions) -> None:
+    def __init__(self, module: ir_pb2.Module, options: CompileOptions,
+                 numerics_: numerics.Numerics | None = None) -> None:
         self.module = module
         self.options = options
+        self.numerics = numerics_ or numerics.Numerics()
         self.comps = {c.id: c for c in module.computations}
         self.programs: dict[int, Program] = {}
         self.in_progress: set[int] = set()
@@ -538,6 +577,7 @@ class _Compiler:
             op = instr.opcode
             operands = [by_id[o] for o in instr.operands]
             in_slots = tuple(slot_of[o] for o in instr.operands)
+            fold_fn = None
             if op == "parameter":
                 n = instr.parameter_number
                 if n in params:
@@ -594,6 +634,12 @@ class _Compiler:
                     raise
                 except Exception as e:
                     raise InvalidProgramError(f"{describe(instr)}: cannot compile: {type(e).__name__}: {e}") from e
+                if self.numerics.active:
+                    fold_fn = fn  # constants are folded with the default numerics
+                    fn = self.numerics.instrument(
+                        instr, fn, ctx.out_dtype, ctx.operand_dtypes, ctx.operand_shapes,
+                        ctx.out_shape, lambda i=instr, o=operands: self._f32_kernel(i, o),
+                    )
             if op == fault:
                 fn = _faulty(fn)
             foldable = (
@@ -603,7 +649,7 @@ class _Compiler:
             if foldable:
                 try:
                     with np.errstate(all="ignore"):
-                        value = fn([template[s] for s in in_slots])
+                        value = (fold_fn or fn)([template[s] for s in in_slots])
                 except Exception as e:
                     raise InvalidProgramError(
                         f"{describe(instr)}: failed on constant operands: {type(e).__name__}: {e}"
@@ -653,6 +699,19 @@ class _Compiler:
             comp.name, [st for st, _ in raw_steps], [i for _, i in raw_steps], consts,
             [params[n] for n in range(n_params)], root_slot, big, scalar_params,
         )
+
+    def _f32_kernel(self, instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) -> Callable[[Sequence[Any]], Any]:
+        """The kernel of ``instr`` with every FP16 operand and result made FP32 (stochastic
+        rounding computes FP16 arithmetic in FP32, then rounds)."""
+        def widened(i: ir_pb2.Instruction) -> ir_pb2.Instruction:
+            w = ir_pb2.Instruction()
+            w.CopyFrom(i)
+            if not w.shape.is_tuple and w.shape.dtype == ir_pb2.F16:
+                w.shape.dtype = ir_pb2.F32
+            return w
+
+        ctx = _Context(self, widened(instr), [widened(o) for o in operands])
+        return kernels.REGISTRY[instr.opcode](ctx)
 
     @staticmethod
     def _check_shape(instr: ir_pb2.Instruction, value: Any) -> None:
@@ -840,6 +899,8 @@ class Executable:
         self.estimate = estimate
         self.instruction_count = instruction_count  # live instructions over all computations
         self._program = program
+        # Stochastic rounding: each run draws from its own stream (numerics.py).
+        self._runner = options.numerics(target).runner(module) if options.esr else None
         self._param_names = param_names
         self._root_is_tuple = root_is_tuple
 
@@ -869,7 +930,10 @@ class Executable:
         """Runs the program; returns the flattened entry result as C-contiguous arrays."""
         checked = self._check_args(args)
         with np.errstate(all="ignore"):
-            result = self._program(checked)
+            if self._runner is None:
+                result = self._program(checked)
+            else:
+                result = self._runner(lambda: self._program(checked))
         flat = _flatten(result) if self._root_is_tuple else [result]
         outs = []
         for k, (value, (dt, shape)) in enumerate(zip(flat, self.outputs, strict=True)):
@@ -899,12 +963,13 @@ def compile_module(
     Raises :class:`UnsupportedOpError` for an opcode without a kernel, refused by
     ``options.refuse_opcodes`` or a ``custom-call``; :class:`InvalidProgramError` for a
     malformed module; :class:`OutOfMemoryError` when the estimate does not fit the tiles'
-    memory (unless ``options.allow_out_of_memory``).
+    memory (unless ``options.allow_out_of_memory``); ``ValueError`` for a bad
+    numerics option (``partials_type``).
     """
     if not isinstance(options, CompileOptions):
         raise TypeError(f"options must be CompileOptions, got {type(options).__name__}.")
     options = dataclasses.replace(options, refuse_opcodes=frozenset(options.refuse_opcodes))
-    compiler = _Compiler(module, options)
+    compiler = _Compiler(module, options, options.numerics(target))  # ValueError: bad option
     entry = compiler.computation_ir(module.entry_computation_id)
     compiler.check_supported(entry)
     program = compiler.program(entry.id)

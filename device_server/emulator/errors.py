@@ -14,6 +14,7 @@ from device_server.protocol import ir_pb2
 __all__ = [
     "EmulatorError",
     "ExecutionError",
+    "FloatingPointExceptionError",
     "InvalidProgramError",
     "OutOfMemoryError",
     "UnsupportedOpError",
@@ -37,6 +38,15 @@ class OutOfMemoryError(EmulatorError):
 
 class ExecutionError(EmulatorError):
     """A failure while running a compiled program (bad arguments, a kernel failure)."""
+
+
+class FloatingPointExceptionError(ExecutionError):
+    """A floating-point exception check (``inv``, ``div0`` or ``oflo``, see ``numerics.py``)
+    fired: the run stopped at the instruction the message names. ``flag`` says which."""
+
+    def __init__(self, message: str, flag: str = "") -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 class InvalidProgramError(EmulatorError):

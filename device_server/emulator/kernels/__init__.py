@@ -34,6 +34,7 @@ class KernelContext(Protocol):
     out_shape: tuple[int, ...]          # () for tuple-shaped results
     operand_dtypes: list[np.dtype | None]
     operand_shapes: list[tuple[int, ...]]
+    numerics: Any                       # emulator.numerics.Numerics: partials, rounding
 
     def attr(self, name: str, default: Any = ...) -> Any:
         """The attribute as a Python value (ints -> tuple[int, ...], literal -> np.ndarray).

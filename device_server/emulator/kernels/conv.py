@@ -5,7 +5,11 @@ padding (negative crops), lhs (base) dilation as in transposed convolutions, rhs
 dilation as in atrous convolutions, window reversal, ``feature_group_count`` (grouped and
 depthwise convolutions) and ``batch_group_count`` (weight gradients of grouped convolutions).
 16-bit float inputs are computed in float32 and rounded once (the IPU's FP32 partials);
-integer convolutions accumulate in 64 bits and wrap to the result type.
+integer convolutions accumulate in 64 bits and wrap to the result type. With FP16 partials
+requested (``ctx.numerics``, see ``emulator/numerics.py``) an FP16 convolution takes the
+general im2col path and accumulates each row's window x input-feature products in FP16,
+a chunk at a time (so with 16 or more input features per group, a chunk is 16 features of one
+window tap, the AMP's order).
 
 Plan (made once, when the program is compiled):
 
@@ -145,8 +149,10 @@ def convolution(ctx: KernelContext) -> KernelFn:
     crop = None if ws.is_trivial_padding() or needs_frame else place
     reverse = tuple(slice(None, None, -1) if r else slice(None) for r in ws.reversal)
     any_reverse = any(ws.reversal)
-    pointwise = kp == 1 and groups == 1 and frame == sp and all(s == 1 for s in ws.strides)
-    depthwise = gf > 1 and cg == 1
+    numerics = getattr(ctx, "numerics", None)
+    chunk = numerics.half_partials_chunk("convolution", ctx.operand_dtypes) if numerics is not None else 0
+    pointwise = not chunk and kp == 1 and groups == 1 and frame == sp and all(s == 1 for s in ws.strides)
+    depthwise = not chunk and gf > 1 and cg == 1
     row_budget = max(1, _BLOCK_ELEMENTS // max(1, groups * kc))
     blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
     max_rows = max((b[1] - b[0]) * (b[3] - b[2]) * math.prod(os_[1:]) for b in blocks) if blocks else 0
@@ -159,8 +165,8 @@ def convolution(ctx: KernelContext) -> KernelFn:
     # Few output positions under a large window (weight gradients: the "window" is the image)
     # with the batch after the features in memory: loop over output positions, contracting
     # each window slab of a feature-first frame (features, spatial..., batch) with the kernel.
-    by_position = (not depthwise and not pointwise and math.prod(os_) <= 256 and kp >= math.prod(os_)
-                   and ib > i_f)
+    by_position = (not chunk and not depthwise and not pointwise and math.prod(os_) <= 256
+                   and kp >= math.prod(os_) and ib > i_f)
     positions = list(itertools.product(*(range(v) for v in os_)))
 
     def prepare_input_feature_first(lhs: np.ndarray) -> np.ndarray:
@@ -267,7 +273,10 @@ def convolution(ctx: KernelContext) -> KernelFn:
             np.copyto(blk, view[:, n0:n1, a0:a1])
             lhs_rows = blk.reshape(groups, m, kc)
             dst = out[n0:n1, a0:a1].reshape(m, ko)
-            if groups == 1:
+            if chunk:  # FP16 partials
+                res = numerics.chunked_matmul(lhs_rows, kern, chunk)
+                dst.reshape(m, groups, og)[...] = res.transpose(1, 0, 2)
+            elif groups == 1:
                 np.matmul(lhs_rows[0], kern[0], out=dst)
             else:
                 dst.reshape(m, groups, og)[...] = np.matmul(lhs_rows, kern).transpose(1, 0, 2)

@@ -7,7 +7,8 @@ batch dimensions, then the lhs free dimensions, then the rhs free dimensions.
 Numerics: floating-point products are computed in float32 (float64 when an operand or the
 result is float64) and rounded once to the result type. This matches the IPU's AMP units, which
 take FP16 inputs and accumulate in FP32 "partials", and XLA's CPU backend for FP16/BF16 dots.
-Integer dots are computed in the result type (wrapping).
+Integer dots are computed in the result type (wrapping). With FP16 partials requested
+(``ctx.numerics``, see ``emulator/numerics.py``) an FP16 dot keeps an FP16 accumulator instead.
 """
 
 from __future__ import annotations
@@ -64,8 +65,14 @@ def _dot(ctx: KernelContext) -> KernelFn:
     cdt = _compute_dtype(out_dt, ctx.operand_dtypes[0], ctx.operand_dtypes[1])
     lhs3, rhs3 = (B, M, K), (B, K, N)
     two_d = B == 1 and not lb
+    numerics = getattr(ctx, "numerics", None)
+    chunk = numerics.half_partials_chunk("dot", ctx.operand_dtypes) if numerics is not None else 0
+    matmul = np.matmul
+    if chunk:
+        def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # FP16 partials
+            return numerics.chunked_matmul(a, b, chunk)
 
-    if two_d and len(lf) == len(lc) == len(rf) == len(rc) == 1 and out_dt == cdt \
+    if not chunk and two_d and len(lf) == len(lc) == len(rf) == len(rc) == 1 and out_dt == cdt \
             and ctx.operand_dtypes[0] == cdt and ctx.operand_dtypes[1] == cdt:
         # A plain matrix product: np.matmul of the operands or their transposed views (the
         # same views the general path below makes).
@@ -91,9 +98,9 @@ def _dot(ctx: KernelContext) -> KernelFn:
         if rperm_t is not None:
             rhs = rhs.transpose(rperm_t)
         if two_d:
-            out = np.matmul(lhs.reshape(M, K), rhs.reshape(K, N))
+            out = matmul(lhs.reshape(M, K), rhs.reshape(K, N))
         else:
-            out = np.matmul(lhs.reshape(lhs3), rhs.reshape(rhs3))
+            out = matmul(lhs.reshape(lhs3), rhs.reshape(rhs3))
         out = out.reshape(out_shape)
         return out if out.dtype == out_dt else out.astype(out_dt)
 

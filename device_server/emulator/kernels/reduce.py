@@ -63,6 +63,16 @@ def _reduce(ctx: KernelContext) -> KernelFn:
                 r = ufunc.reduce(np.asarray(ops[0], wide), axis=dims)
                 return np.asarray(r + np.asarray(ops[1], wide)).astype(dt)
             return run_wide
+        if ufunc is np.add and dt == np.float32 and dims != tuple(range(rank - len(dims), rank)):
+            # Over a non-innermost axis numpy adds float32 rows one after another (the error
+            # grows with the count: BatchNorm's moments over N*H*W lost ~1e-5, which deep
+            # training steps amplify); XLA's partial sums stay near rounding. Accumulate in
+            # float64 (buffered, ~2x this reduce's time) and round once.
+            return inline(
+                lambda ops: np.add(np.add.reduce(ops[0], axis=dims, dtype=np.float64), ops[1]).astype(dt),
+                "{u}({r}({0}, axis={d}, dtype={w}), {1}).astype({t})",
+                u=np.add, r=np.add.reduce, d=dims, w=np.dtype(np.float64), t=dt,
+            )
         if ufunc in (np.maximum, np.minimum):
             return inline(
                 lambda ops: ufunc.reduce(ops[0], axis=dims, initial=np.asarray(ops[1])[()]),
