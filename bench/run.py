@@ -23,6 +23,7 @@ BENCHES = {
     "server": bench_server.main,
     "emulator": lambda quick: __import__("bench.bench_emulator", fromlist=["main"]).main(quick),
     "conv": lambda quick: __import__("bench.bench_conv", fromlist=["main"]).main(quick),
+    "models": lambda quick: __import__("bench.bench_models", fromlist=["main"]).main(quick),
 }
 
 

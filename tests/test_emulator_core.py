@@ -28,6 +28,7 @@ from tensorflow.compiler.tf2xla.python import xla
 from device_server.emulator import (
     CompileOptions,
     ExecutionError,
+    InvalidProgramError,
     OutOfMemoryError,
     UnsupportedOpError,
     compile_module,
@@ -913,3 +914,13 @@ def test_interpreter_overhead_per_instruction() -> None:
     print(f"\ninterpreter: {exe.step_count} steps, {per_step * 1e6:.2f} us per step")
     assert exe.step_count >= 300
     assert per_step < 10e-6
+
+
+def test_wrong_operand_count_is_an_invalid_program() -> None:
+    """A malformed program (here `subtract` with one operand, as a fuzzer sent) is refused
+    at compile time naming the opcode and the counts, not failed with an internal error."""
+    b = eu.IRBuilder("malformed")
+    p = b.parameter(np.float32, [3])
+    b.root(b.op("subtract", [p], np.float32, [3]))
+    with pytest.raises(InvalidProgramError, match=r"'subtract' takes 2 operand\(s\), received 1"):
+        compile_module(b.module(), get_target("ipu2"))

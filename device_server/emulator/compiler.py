@@ -55,6 +55,32 @@ from device_server.emulator.errors import (
 from device_server.emulator.estimate import Estimate, estimate_module
 from device_server.protocol import dtypes, ir_pb2
 
+_FIXED_ARITY = {
+    **dict.fromkeys(
+        ("abs", "negate", "exponential", "exponential-minus-one", "log", "log-plus-one",
+         "logistic", "sqrt", "rsqrt", "cbrt", "tanh", "sine", "cosine", "tan", "floor", "ceil",
+         "round-nearest-afz", "round-nearest-even", "sign", "is-finite", "not", "popcnt",
+         "count-leading-zeros", "erf", "real", "imag", "convert", "bitcast-convert",
+         "reduce-precision", "copy", "reshape", "bitcast", "broadcast", "transpose", "slice",
+         "reverse", "get-tuple-element"),
+        1,
+    ),
+    **dict.fromkeys(
+        ("add", "subtract", "multiply", "divide", "remainder", "power", "maximum", "minimum",
+         "atan2", "and", "or", "xor", "shift-left", "shift-right-logical",
+         "shift-right-arithmetic", "compare", "complex", "dot", "pad", "convolution"),
+        2,
+    ),
+    **dict.fromkeys(("select", "clamp"), 3),
+    **dict.fromkeys(("parameter", "constant", "iota"), 0),
+}
+
+
+def _arity(opcode: str) -> int | None:
+    """The operand count an opcode must have, or None if it varies."""
+    return _FIXED_ARITY.get(opcode)
+
+
 # Words the generated code may contain besides names it defines and its globals.
 _SAFE_WORDS = frozenset(keyword.kwlist) | {"run", "args", "e", "x", "Exception", "out"}
 _GENERATED = re.compile(r"(p|v|u|k|s)[0-9]+|g[0-9]+_[A-Za-z0-9_]+|[0-9][A-Za-z0-9_]*")
@@ -576,6 +602,12 @@ class _Compiler:
         for instr in live:
             op = instr.opcode
             operands = [by_id[o] for o in instr.operands]
+            expected = _arity(op)
+            if expected is not None and len(operands) != expected:
+                raise InvalidProgramError(
+                    f"{describe(instr)}: opcode '{op}' takes {expected} operand(s), "
+                    f"received {len(operands)}."
+                )
             in_slots = tuple(slot_of[o] for o in instr.operands)
             fold_fn = None
             if op == "parameter":

@@ -26,7 +26,7 @@ Plan (made once, when the program is compiled):
   instead, each a matmul of one window slab of a ``(feature, spatial..., batch)`` frame, which
   for NHWC activations needs no transposition at all.
 
-Speed: see ``test_bench_conv_vs_tf`` in ``tests/test_emulator_spatial.py``. numpy's OpenBLAS
+Speed: ``bench/bench_conv.py`` (``python bench/run.py --only conv``). numpy's OpenBLAS
 threads spin-wait; on an oversubscribed machine, single-threaded BLAS
 (``OPENBLAS_NUM_THREADS=1``) was 2-10x faster for these shapes.
 
