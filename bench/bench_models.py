@@ -19,7 +19,9 @@ Printed per model: times, ratio emulator/XLA (target: at most 2x), and the one-o
 
 numpy's OpenBLAS threads spin-wait; on a loaded 2-core machine they slow everything down,
 and the device server caps them to one thread per process there. Measure like the server
-runs: ``OPENBLAS_NUM_THREADS=1`` (printed in the header). TensorFlow keeps its own threads.
+runs: ``OPENBLAS_NUM_THREADS=1`` (printed in the header). XLA keeps TensorFlow's thread pool
+(one thread per CPU); ``TF_NUM_INTRAOP_THREADS=1`` gives it one thread too, for a comparison
+at equal resources.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/run.py --only models [--quick]
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/bench_models.py [--quick] [--only NAME ...]
@@ -144,8 +146,10 @@ def bench_model(name: str, quick: bool) -> float:
 def main(quick: bool = False, only: list[str] | None = None) -> None:
     import tensorflow as tf
 
-    print(f"  OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
-          f"{os.cpu_count()} CPUs, TF intra-op threads {tf.config.threading.get_intra_op_parallelism_threads() or 'auto'}")
+    threads = (os.environ.get("TF_NUM_INTRAOP_THREADS") or tf.config.threading.get_intra_op_parallelism_threads()
+               or "one per CPU")
+    print(f"  {os.cpu_count()} CPUs; emulator: OPENBLAS_NUM_THREADS="
+          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; XLA: TF intra-op threads {threads}")
     ratios = [bench_model(name, quick) for name in only or MODELS]
     print(f"  geometric mean ratio: {float(np.exp(np.mean(np.log(ratios)))):.2f}x (target: at most 2x)")
 

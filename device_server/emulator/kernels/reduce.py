@@ -64,10 +64,11 @@ def _reduce(ctx: KernelContext) -> KernelFn:
                 return np.asarray(r + np.asarray(ops[1], wide)).astype(dt)
             return run_wide
         if ufunc is np.add and dt == np.float32 and dims != tuple(range(rank - len(dims), rank)):
-            # Over a non-innermost axis numpy adds float32 rows one after another (the error
-            # grows with the count: BatchNorm's moments over N*H*W lost ~1e-5, which deep
-            # training steps amplify); XLA's partial sums stay near rounding. Accumulate in
-            # float64 (buffered, ~2x this reduce's time) and round once.
+            # Over a non-innermost axis numpy adds float32 rows one after another: a
+            # BatchNormalization's moments over N*H*W were off by ~1e-6, 2-5x XLA's error,
+            # and MobileNetV2's training step amplified that to 1e-2 gradient errors (XLA's:
+            # 3e-4 from float64). Accumulate in float64 (buffered, ~2x this reduce's time)
+            # and round once.
             return inline(
                 lambda ops: np.add(np.add.reduce(ops[0], axis=dims, dtype=np.float64), ops[1]).astype(dt),
                 "{u}({r}({0}, axis={d}, dtype={w}), {1}).astype({t})",
