@@ -301,3 +301,14 @@ class IRBuilder:
 
     def module(self) -> ir_pb2.Module:
         return self._module
+
+
+def run_in_threads(worker: Callable[[int], None], count: int = 4) -> None:
+    """Runs ``worker(k)`` for k in range(count) on that many threads at once; waits for all."""
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

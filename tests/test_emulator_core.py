@@ -12,7 +12,6 @@ tested on hand-built IR against numpy references.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import emulator_util as eu
@@ -831,11 +830,7 @@ def test_run_is_thread_safe() -> None:
             if not np.array_equal(exe.run([inputs[j], w])[0], expected[j]):
                 failures.append(f"thread {k} input {j}")
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    eu.run_in_threads(worker)
     assert not failures
 
 

@@ -7,8 +7,6 @@ with XLA on CPU as the differential tests of ``test_emulator_core.py`` do.
 
 from __future__ import annotations
 
-import threading
-
 import emulator_util as eu
 import numpy as np
 import pytest
@@ -241,11 +239,7 @@ def test_loop_with_scalar_state_is_thread_safe() -> None:
             if not all(_bits_equal(a, b) for a, b in zip(exe.run([xs[j], w]), want[j], strict=True)):
                 failures.append(f"thread {k} input {j}")
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    eu.run_in_threads(worker)
     assert not failures
 
 

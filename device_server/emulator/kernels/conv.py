@@ -169,16 +169,19 @@ def convolution(ctx: KernelContext) -> KernelFn:
                    and kp >= math.prod(os_) and ib > i_f)
     positions = list(itertools.product(*(range(v) for v in os_)))
 
-    def prepare_input_feature_first(lhs: np.ndarray) -> np.ndarray:
-        x = lhs.transpose((i_f, *isp, ib)).reshape((c, *sp, n))
+    def framed(x: np.ndarray) -> np.ndarray:
+        """``x`` as (lead, *spatial, trail), padded/dilated into the frame or cropped."""
         if needs_frame:
-            buf = np.zeros((c, *frame, n), cdt)
+            buf = np.zeros((x.shape[0], *frame, x.shape[-1]), cdt)
             if place is not None:
                 buf[(slice(None), *place[1], slice(None))] = x[(slice(None), *place[0], slice(None))]
             return buf
         if crop is not None:
             x = x[(slice(None), *crop[0], slice(None))]
         return np.ascontiguousarray(x, dtype=cdt)
+
+    def prepare_input_feature_first(lhs: np.ndarray) -> np.ndarray:
+        return framed(lhs.transpose((i_f, *isp, ib)).reshape((c, *sp, n)))
 
     def run_by_position(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         p = prepare_input_feature_first(lhs)
@@ -203,15 +206,7 @@ def convolution(ctx: KernelContext) -> KernelFn:
         return finish(out)
 
     def prepare_input(lhs: np.ndarray) -> np.ndarray:
-        x = lhs.transpose(lhs_perm).reshape((n, *sp, c))
-        if needs_frame:
-            buf = np.zeros((n, *frame, c), cdt)
-            if place is not None:
-                buf[(slice(None), *place[1], slice(None))] = x[(slice(None), *place[0], slice(None))]
-            return buf
-        if crop is not None:
-            x = x[(slice(None), *crop[0], slice(None))]
-        return np.ascontiguousarray(x, dtype=cdt)
+        return framed(lhs.transpose(lhs_perm).reshape((n, *sp, c)))
 
     def prepare_kernel(rhs: np.ndarray) -> np.ndarray:
         kern = rhs.transpose(rhs_perm).reshape((*ks, cg, ko))
