@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calls of one session that may queue behind its running call "
                         f"(default {_DEFAULTS.max_waiting_calls})")
     p.add_argument("--workers", type=int, default=16, help="RPC worker threads (default 16)")
+    p.add_argument("--emulator-threads", type=int, default=0,
+                   help="threads one big emulator kernel (convolution, matrix product, fused "
+                        "element-wise ops) may split its work over; 0: "
+                        "$TF_IPU_EMULATOR_THREADS if set, else one per CPU (default 0)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds the calls in flight get to finish "
                         "(default 10)")
@@ -216,6 +220,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ipus < 1:
         print(f"device_server: --ipus must be >= 1. Received: {args.ipus}", file=sys.stderr)
         return 2
+    if args.emulator_threads < 0:
+        print(f"device_server: --emulator-threads must be >= 0. Received: {args.emulator_threads}",
+              file=sys.stderr)
+        return 2
+    if args.emulator_threads:
+        from device_server.emulator import parallel
+
+        parallel.set_threads(args.emulator_threads)
     if args.parent_pid and not process_alive(args.parent_pid, False):
         print(f"device_server: --parent-pid {args.parent_pid} is not running", file=sys.stderr)
         return 2

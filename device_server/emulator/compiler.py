@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import errors, kernels, numerics
+from device_server.emulator import errors, fusion, kernels, numerics
 from device_server.emulator.arch import Target
 from device_server.emulator.errors import (
     EmulatorError,
@@ -135,6 +135,8 @@ ELEMENTWISE_SAFE = frozenset(
         "reduce-precision", "opt-barrier",
     }
 )
+# Element-wise opcodes a fused step may contain (fusion.py).
+_FUSIBLE = ELEMENTWISE_SAFE - {"parameter", "constant", "tuple", "get-tuple-element", "copy", "opt-barrier"}
 
 
 @dataclass(frozen=True)
@@ -593,11 +595,17 @@ class _Compiler:
         fault = self.options.fault_inject_opcode
         lazy = _lazy_broadcasts(live, by_id, comp.root_id, fault)
         reshaped: dict[int, tuple[int, tuple[int, ...]]] = {}  # reshape id -> (source slot, dims)
+        slot_dims: dict[int, tuple[int, ...] | None] = {}  # slot -> its value's shape (None: tuple)
 
-        def new_slot(value: Any = None, const: bool = False) -> int:
+        def new_slot(value: Any = None, const: bool = False, shape: ir_pb2.Shape | None = None) -> int:
             template.append(value)
             is_const.append(const)
-            return len(template) - 1
+            slot = len(template) - 1
+            if shape is not None:
+                slot_dims[slot] = _shape_of(shape)[1] if not shape.is_tuple else None
+            else:
+                slot_dims[slot] = None if isinstance(value, tuple) else tuple(np.shape(value))
+            return slot
 
         for instr in live:
             op = instr.opcode
@@ -614,7 +622,7 @@ class _Compiler:
                 n = instr.parameter_number
                 if n in params:
                     raise InvalidProgramError(f"computation '{comp.name}': two parameters numbered {n}.")
-                params[n] = slot_of[instr.id] = new_slot()
+                params[n] = slot_of[instr.id] = new_slot(shape=instr.shape)
                 continue
             if op == "constant" and op != fault:
                 if "value" not in instr.attrs:
@@ -693,7 +701,9 @@ class _Compiler:
                         self._check_shape(instr, value)
                     slot_of[instr.id] = new_slot(_freeze(value), const=True)
                     continue
-            out = new_slot()
+            out = new_slot(shape=instr.shape)
+            if instr.id in lazy and lazy[instr.id] is not None:
+                slot_dims[out] = lazy[instr.id]
             slot_of[instr.id] = out
             inline = getattr(fn, "inline", None)
             step = _Step(fn, in_slots, out, *(inline if inline is not None else (None, None)))
@@ -714,7 +724,7 @@ class _Compiler:
             if step.out in needed:
                 needed.update(step.ins)
                 kept.append((step, instr))
-        raw_steps = kept[::-1]
+        raw_steps = self._fuse(kept[::-1], slot_dims, root_slot)
         _reuse_buffers(raw_steps, root_slot)
         param_instrs = [i for i in live if i.opcode == "parameter"]
         big = frozenset(
@@ -731,6 +741,44 @@ class _Compiler:
             comp.name, [st for st, _ in raw_steps], [i for _, i in raw_steps], consts,
             [params[n] for n in range(n_params)], root_slot, big, scalar_params,
         )
+
+    def _fuse(self, steps: list[tuple[_Step, ir_pb2.Instruction]], dims: dict[int, tuple[int, ...] | None],
+              root_slot: int) -> list[tuple[_Step, ir_pb2.Instruction]]:
+        """Replaces groups of element-wise steps over big arrays by one fused step each
+        (``fusion.py``). Not with numerics on (their checks follow each instruction)."""
+        if self.numerics.active:
+            return steps
+        fault = self.options.fault_inject_opcode
+        fusible = [
+            i.opcode in _FUSIBLE and i.opcode != fault and not i.shape.is_tuple
+            and (st.template is not None or getattr(st.fn, "ufunc", None) is not None)
+            for st, i in steps
+        ]
+        groups = fusion.plan_groups([st.ins for st, _ in steps], [st.out for st, _ in steps],
+                                    fusible, dims, {root_slot})
+        if not groups:
+            return steps
+        roots = {g.members[-1]: g for g in groups}
+        absorbed = {m for g in groups for m in g.members[:-1]}
+        out: list[tuple[_Step, ir_pb2.Instruction]] = []
+        for k, (st, instr) in enumerate(steps):
+            if k in absorbed:
+                continue
+            g = roots.get(k)
+            if g is None:
+                out.append((st, instr))
+                continue
+            index = {s: j for j, s in enumerate(g.inputs)}
+            members = []
+            for n, m in enumerate(g.members):
+                mst = steps[m][0]
+                members.append(fusion.Member(mst.fn, getattr(mst.fn, "ufunc", None),
+                                             tuple(index[s] for s in mst.ins)))
+                index[mst.out] = len(g.inputs) + n
+            dt, shape = _shape_of(instr.shape)
+            fn = fusion.fused_kernel(shape, dt, [dims[s] for s in g.inputs], members)
+            out.append((_Step(fn, g.inputs, st.out), instr))
+        return out
 
     def _f32_kernel(self, instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) -> Callable[[Sequence[Any]], Any]:
         """The kernel of ``instr`` with every FP16 operand and result made FP32 (stochastic

@@ -26,6 +26,9 @@ Plan (made once, when the program is compiled):
   instead, each a matmul of one window slab of a ``(feature, spatial..., batch)`` frame, which
   for NHWC activations needs no transposition at all.
 
+Blocks of output rows (and output positions, and depthwise blocks) are independent: they run
+on the emulator's threads (``emulator/parallel.py``), each im2col block in its thread's scratch.
+
 Speed: ``bench/bench_conv.py`` (``python bench/run.py --only conv``). numpy's OpenBLAS
 threads spin-wait; on an oversubscribed machine, single-threaded BLAS
 (``OPENBLAS_NUM_THREADS=1``) was 2-10x faster for these shapes.
@@ -49,6 +52,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from device_server.emulator import parallel
 from device_server.emulator.errors import ExecutionError, describe
 from device_server.emulator.kernels import KernelContext, KernelFn, register
 from device_server.emulator.kernels.window import (
@@ -155,7 +159,6 @@ def convolution(ctx: KernelContext) -> KernelFn:
     depthwise = not chunk and gf > 1 and cg == 1
     row_budget = max(1, _BLOCK_ELEMENTS // max(1, groups * kc))
     blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
-    max_rows = max((b[1] - b[0]) * (b[3] - b[2]) * math.prod(os_[1:]) for b in blocks) if blocks else 0
     trivial = rows == 0 or kc == 0
     letters = "abcdefghijklmnopqrstuvwxy"
     out_letters, win_letters = letters[: 1 + len(os_)], letters[1 + len(os_): 1 + 2 * len(os_)]
@@ -191,7 +194,9 @@ def convolution(ctx: KernelContext) -> KernelFn:
         # (groups, in-feature x window, out) with rows ordered (feature, window position).
         kern = np.ascontiguousarray(kern.reshape(cg * kp, groups, og).transpose(1, 0, 2), dtype=cdt)
         out = np.empty((nb, *os_, ko), cdt)
-        for pos in positions:
+
+        def position(i: int) -> None:
+            pos = positions[i]
             slab = p[(slice(None), *(slice(o * st, o * st + (kk - 1) * d + 1, d) for o, st, kk, d in
                                      zip(pos, ws.strides, ks, ws.window_dilation, strict=True)), slice(None))]
             dst = out[(slice(None), *pos, slice(None))]  # (nb, ko)
@@ -203,6 +208,8 @@ def convolution(ctx: KernelContext) -> KernelFn:
             else:  # feature groups: the features are (group, cg)
                 a = slab.reshape(gf, kc, n).transpose(0, 2, 1)
                 dst.reshape(n, gf, og)[...] = np.matmul(a, kern).transpose(1, 0, 2)
+
+        parallel.run_parts(position, len(positions))
         return finish(out)
 
     def prepare_input(lhs: np.ndarray) -> np.ndarray:
@@ -243,7 +250,7 @@ def convolution(ctx: KernelContext) -> KernelFn:
         p = prepare_input(lhs)
         kern = prepare_kernel(rhs)
         if pointwise:
-            res = np.matmul(p.reshape(rows, c), kern[0])
+            res = parallel.matmul(p.reshape(rows, c), kern[0])
             return finish(res)
         if depthwise:
             # One input feature per group: per block of output rows (sized to stay in cache)
@@ -253,18 +260,23 @@ def convolution(ctx: KernelContext) -> KernelFn:
             taps = kern.reshape(groups, *ks, og)  # (c, window..., multiplier)
             taps = np.ascontiguousarray(np.moveaxis(taps, (0, -1), (-1, 0)))  # (multiplier, window..., c)
             out = np.empty((og, n, *os_, c), cdt)
-            for n0, n1, a0, a1 in dw_blocks:
+
+            def dw_block(i: int) -> None:
+                n0, n1, a0, a1 = dw_blocks[i]
                 vb = view[n0:n1, a0:a1]
                 for m in range(og):
                     np.einsum(dw_subscripts, vb, taps[m], out=out[m, n0:n1, a0:a1])
+
+            parallel.run_parts(dw_block, len(dw_blocks))
             return finish(np.moveaxis(out, 0, -1) if og > 1 else out[0])
         view = windows(p, grouped=True)
         out = np.empty((nb, *os_, ko), cdt)
-        scratch = np.empty(groups * max_rows * kc, cdt)
         rest = os_[1:]
-        for n0, n1, a0, a1 in blocks:
+
+        def block(i: int) -> None:
+            n0, n1, a0, a1 = blocks[i]
             m = (n1 - n0) * (a1 - a0) * math.prod(rest)
-            blk = scratch[: groups * m * kc].reshape((groups, n1 - n0, a1 - a0, *rest, *ks, cg))
+            blk = parallel.scratch(groups * m * kc, cdt).reshape((groups, n1 - n0, a1 - a0, *rest, *ks, cg))
             np.copyto(blk, view[:, n0:n1, a0:a1])
             lhs_rows = blk.reshape(groups, m, kc)
             dst = out[n0:n1, a0:a1].reshape(m, ko)
@@ -275,6 +287,8 @@ def convolution(ctx: KernelContext) -> KernelFn:
                 np.matmul(lhs_rows[0], kern[0], out=dst)
             else:
                 dst.reshape(m, groups, og)[...] = np.matmul(lhs_rows, kern).transpose(1, 0, 2)
+
+        parallel.run_parts(block, len(blocks))
         return finish(out)
 
     return run

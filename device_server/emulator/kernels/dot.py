@@ -7,7 +7,8 @@ batch dimensions, then the lhs free dimensions, then the rhs free dimensions.
 Numerics: floating-point products are computed in float32 (float64 when an operand or the
 result is float64) and rounded once to the result type. This matches the IPU's AMP units, which
 take FP16 inputs and accumulate in FP32 "partials", and XLA's CPU backend for FP16/BF16 dots.
-Integer dots are computed in the result type (wrapping). With FP16 partials requested
+Integer dots are computed in the result type (wrapping). Big products are cut by batch or by
+rows over the emulator's threads (``emulator/parallel.py``). With FP16 partials requested
 (``ctx.numerics``, see ``emulator/numerics.py``) an FP16 dot keeps an FP16 accumulator instead.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from device_server.emulator import parallel
 from device_server.emulator.kernels import KernelContext, KernelFn, inline, register
 
 
@@ -67,7 +69,8 @@ def _dot(ctx: KernelContext) -> KernelFn:
     two_d = B == 1 and not lb
     numerics = getattr(ctx, "numerics", None)
     chunk = numerics.half_partials_chunk("dot", ctx.operand_dtypes) if numerics is not None else 0
-    matmul = np.matmul
+    # Big products are cut over threads (``parallel.matmul``: by batch or by rows).
+    matmul = parallel.matmul if B * M * K * N >= 2 * parallel.MIN_PART_MACS else np.matmul
     if chunk:
         def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # FP16 partials
             return numerics.chunked_matmul(a, b, chunk)
@@ -82,9 +85,9 @@ def _dot(ctx: KernelContext) -> KernelFn:
         def run2(ops: Sequence[Any]) -> np.ndarray:
             lhs = np.asarray(ops[0])
             rhs = np.asarray(ops[1])
-            return np.matmul(lhs if lperm_t is None else lhs.T, rhs if rperm_t is None else rhs.T)
+            return matmul(lhs if lperm_t is None else lhs.T, rhs if rperm_t is None else rhs.T)
 
-        return inline(run2, f"{{m}}({{0}}{lt}, {{1}}{rt})", m=np.matmul)
+        return inline(run2, f"{{m}}({{0}}{lt}, {{1}}{rt})", m=matmul)
 
     def run(ops: Sequence[Any]) -> np.ndarray:
         lhs = np.asarray(ops[0])

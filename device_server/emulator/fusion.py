@@ -1,0 +1,194 @@
+"""Loop fusion: element-wise steps over big arrays run as one step, a block of rows at a time.
+
+    before   v1 = add(conv, bias)     one pass over the whole array each,
+             v2 = multiply(v1, scale)  and a whole-array temporary each
+             v3 = maximum(v2, zero)
+    after    v3 = fused(conv, bias, scale, zero):
+               for each block of ~32K elements (in cache), on the emulator's threads:
+                   t = add(conv[block], bias); t = multiply(t, scale); out[block] = maximum(t, zero)
+
+A group is a producer-consumer cluster of element-wise steps of one output shape whose
+intermediate values nobody else reads (XLA's loop fusion, at numpy's granularity). Each member
+runs its own kernel function on the block, so results are those of the unfused program.
+Operands that are not computed in the group ("inputs") are either of the full shape (cut into
+the same blocks of rows) or broadcast over the leading dimensions that are cut (passed whole).
+
+Planned by :func:`plan_groups` when a computation is compiled; :func:`fused_kernel` makes the
+step's function. Only big outputs (at least :data:`MIN_ELEMENTS`) are fused: below that the
+arrays stay in cache anyway and a single numpy call is cheaper than the block loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from device_server.emulator import parallel
+
+__all__ = ["BLOCK_ELEMENTS", "MIN_ELEMENTS", "Group", "Member", "fused_kernel", "plan_groups"]
+
+# Elements of one block of the output (128 KiB of float32: a few of them fit in L2).
+BLOCK_ELEMENTS = 1 << 15
+# Outputs smaller than this are not fused.
+MIN_ELEMENTS = 1 << 17
+
+
+@dataclass(frozen=True)
+class Member:
+    """One fused step: ``fn`` (a kernel function, called with a list of operands) or, for a
+    plain ufunc, ``ufunc``; ``args`` index the block's values (inputs first, then the
+    members' results in order)."""
+
+    fn: Callable[[Sequence[Any]], Any]
+    ufunc: np.ufunc | None
+    args: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Steps ``members`` (indices into the computation's steps, in program order; the last
+    one is the root, whose value the group produces) and their ``inputs`` (slots)."""
+
+    members: tuple[int, ...]
+    inputs: tuple[int, ...]
+
+
+def plan_groups(
+    ins: Sequence[tuple[int, ...]],
+    outs: Sequence[int],
+    fusible: Sequence[bool],
+    dims: dict[int, tuple[int, ...] | None],
+    keep: set[int],
+) -> list[Group]:
+    """Groups of steps to fuse.
+
+    Step ``k`` reads slots ``ins[k]`` and writes slot ``outs[k]``; ``fusible[k]`` says it is
+    element-wise; ``dims`` gives every slot's shape (None for tuples); slots in ``keep``
+    (the result) must stay materialized. Groups are formed from the last step backwards: a
+    fusible producer joins its consumer's group when it has the same output shape and every
+    reader of its value is in the group.
+    """
+    producer = {o: k for k, o in enumerate(outs)}
+    readers: dict[int, set[int]] = {}
+    for k, slots in enumerate(ins):
+        for s in slots:
+            readers.setdefault(s, set()).add(k)
+    grouped: set[int] = set()
+    groups: list[Group] = []
+    for root in range(len(outs) - 1, -1, -1):
+        if not fusible[root] or root in grouped:
+            continue
+        shape = dims.get(outs[root])
+        if shape is None or math.prod(shape) < MIN_ELEMENTS:
+            continue
+        members = {root}
+        changed = True
+        while changed:  # until no producer can join (a diamond may need two passes)
+            changed = False
+            for m in sorted(members, reverse=True):
+                for s in ins[m]:
+                    p = producer.get(s)
+                    if p is None or p in members or p in grouped or not fusible[p] or s in keep:
+                        continue
+                    if dims.get(s) != shape or not readers.get(s, set()) <= members:
+                        continue
+                    members.add(p)
+                    changed = True
+        order = tuple(sorted(members))
+        made = {outs[m] for m in order}
+        inputs: list[int] = []
+        for m in order:
+            for s in ins[m]:
+                if s not in made and s not in inputs:
+                    inputs.append(s)
+        if _blocking(shape, [dims.get(s) for s in inputs]) is None:
+            continue
+        grouped.update(members)
+        groups.append(Group(order, tuple(inputs)))
+    groups.sort(key=lambda g: g.members[-1])
+    return groups
+
+
+def _blocking(
+    shape: tuple[int, ...], input_dims: Sequence[tuple[int, ...] | None]
+) -> tuple[int, list[bool]] | None:
+    """How to cut ``shape`` into blocks: ``(lead, full)`` where the first ``lead``
+    dimensions are cut (flattened into rows) and ``full[j]`` says input j has them (else it
+    broadcasts over them); None when no cut gives at least two blocks."""
+    rank = len(shape)
+    for lead in range(rank, 0, -1):
+        rows = math.prod(shape[:lead])
+        block_rows = max(1, BLOCK_ELEMENTS // max(1, math.prod(shape[lead:])))
+        if rows <= block_rows:
+            continue  # one block: nothing to gain
+        full: list[bool] = []
+        for d in input_dims:
+            if d is None or len(d) > rank:
+                return None
+            padded = (1,) * (rank - len(d)) + tuple(d)
+            if padded[:lead] == shape[:lead]:
+                full.append(True)
+            elif all(v == 1 for v in padded[:lead]):
+                full.append(False)
+            else:
+                break
+            if any(v not in (1, s) for v, s in zip(padded[lead:], shape[lead:], strict=True)):
+                return None
+        else:
+            return lead, full
+    return None
+
+
+def fused_kernel(
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    input_dims: Sequence[tuple[int, ...]],
+    members: Sequence[Member],
+) -> Callable[[Sequence[Any]], np.ndarray]:
+    """The function of a fused step: takes the group's inputs, returns the root's value
+    (a new C-ordered array of ``shape`` and ``dtype``)."""
+    plan = _blocking(shape, list(input_dims))
+    if plan is None:
+        raise ValueError(f"no blocking of {list(shape)} for inputs {list(input_dims)}")
+    lead, full = plan
+    rank = len(shape)
+    rows = math.prod(shape[:lead])
+    inner = shape[lead:]
+    block_rows = max(1, BLOCK_ELEMENTS // max(1, math.prod(inner)))
+    starts = list(range(0, rows, block_rows))
+    views = []
+    for d, f in zip(input_dims, full, strict=True):
+        padded = (1,) * (rank - len(d)) + tuple(d)
+        views.append((rows, *padded[lead:]) if f else (None if not d else padded[lead:]))
+    body = list(members[:-1])
+    last = members[-1]
+    last_args = last.args
+
+    def run(ops: Sequence[Any]) -> np.ndarray:
+        src = []
+        for v, view in zip(ops, views, strict=True):
+            src.append(v if view is None else np.reshape(v, view))
+        out = np.empty((rows, *inner), dtype)
+
+        def block(i: int) -> None:
+            a = starts[i]
+            b = a + block_rows
+            vals = [v[a:b] if f else v for v, f in zip(src, full, strict=True)]
+            for m in body:
+                args = [vals[j] for j in m.args]
+                vals.append(m.ufunc(*args) if m.ufunc is not None else m.fn(args))
+            args = [vals[j] for j in last_args]
+            dst = out[a:b]
+            if last.ufunc is not None:
+                last.ufunc(*args, out=dst)
+            else:
+                dst[...] = last.fn(args)
+
+        parallel.run_parts(block, len(starts))
+        return out.reshape(shape)
+
+    return run
