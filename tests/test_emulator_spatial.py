@@ -229,6 +229,27 @@ def test_conv2d_gradients_and_transpose() -> None:
     check(lambda x, w: tf.nn.conv2d_transpose(x, w, (2, 16, 16, 4), 2, "SAME"), x, wt, expect="convolution")
 
 
+@pytest.mark.parametrize("channels", [3, 8])
+def test_strided_1x1_and_first_layer_gradients(channels: int) -> None:
+    """The input gradient of a stride-2 1x1 convolution (a 1x1 window over a base-dilated
+    input: the unit-window path) and the weight gradient of a 7x7 stride-2 first layer over
+    few channels (few rows per output position: positions are stacked into one matmul)."""
+    rng = np.random.default_rng(7)
+    x, w1 = rand(rng, (2, 16, 15, channels)), rand(rng, (1, 1, channels, 6))
+    w7 = rand(rng, (7, 7, channels, 4))
+    dy1, dy7 = rand(rng, (2, 8, 8, 6)), rand(rng, (2, 8, 8, 4))
+
+    def grads(x: tf.Tensor, w1: tf.Tensor, w7: tf.Tensor, dy1: tf.Tensor, dy7: tf.Tensor) -> Any:
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([x, w1, w7])
+            y1 = tf.nn.conv2d(x, w1, 2, "SAME")
+            y7 = tf.nn.conv2d(x, w7, 2, "SAME")
+        return (tape.gradient(y1, [x, w1], output_gradients=dy1),
+                tape.gradient(y7, [x, w7], output_gradients=dy7))
+
+    check(grads, x, w1, w7, dy1, dy7, expect="convolution")
+
+
 def test_grouped_and_depthwise_conv_with_gradients() -> None:
     rng = np.random.default_rng(3)
     x = rand(rng, (2, 7, 7, 6))

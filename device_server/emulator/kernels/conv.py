@@ -18,13 +18,16 @@ Plan (made once, when the program is compiled):
 - every window position is then visible through one strided view of the frame; blocks of
   output rows are copied out of it (im2col, a few MiB at a time) and multiplied with the
   kernel, one ``matmul`` per block batched over the groups;
-- a 1x1 stride-1 unpadded convolution is a single matmul of the input;
+- a 1x1 stride-1 unpadded convolution is a single matmul of the input; any other 1x1 window
+  (strides, padding, base dilation: the input gradient of a strided 1x1 convolution) is one
+  matmul of the input elements an output position reads, placed into zeros;
 - a depthwise convolution (one input feature per group) is, per cache-sized block of output
   rows, one ``einsum`` of the strided view with the taps (no im2col copy);
 - few output positions under a large window with the batch stored after the features (the
   weight gradient of a convolution: ``Conv2DBackpropFilter``) loops over the output positions
   instead, each a matmul of one window slab of a ``(feature, spatial..., batch)`` frame, which
-  for NHWC activations needs no transposition at all.
+  for NHWC activations needs no transposition at all; with few rows per position (a first
+  layer's three colours) several positions are stacked into one matmul.
 
 Blocks of output rows (and output positions, and depthwise blocks) are independent: they run
 on the emulator's threads (``emulator/parallel.py``), each im2col block in its thread's scratch.
@@ -78,6 +81,25 @@ def _blocks(nb: int, o1: int, inner: int, row_budget: int) -> list[tuple[int, in
         return [(n0, min(nb, n0 + step), 0, o1) for n0 in range(0, nb, step)]
     step = max(1, row_budget // max(1, inner))
     return [(n, n + 1, a, min(o1, a + step)) for n in range(nb) for a in range(0, o1, step)]
+
+
+def _unit_window_slices(
+    in_sizes: Sequence[int], out_sizes: Sequence[int], w: Window
+) -> list[tuple[slice, slice]] | None:
+    """For a window of size 1 in every dimension: per dimension, ``(output, input)`` slices
+    of the output positions that read an input element (the others read padding or the zeros
+    of base dilation, so they are 0) and of the elements they read; None if none does."""
+    out = []
+    for size, osize, st, lo, bd in zip(in_sizes, out_sizes, w.strides, w.pad_lo, w.base_dilation, strict=True):
+        pairs = [(o, (o * st - lo) // bd) for o in range(osize)
+                 if o * st - lo >= 0 and (o * st - lo) % bd == 0 and (o * st - lo) // bd < size]
+        if not pairs:
+            return None
+        (o0, i0), (o1, i1) = pairs[0], pairs[-1]
+        o_step = pairs[1][0] - o0 if len(pairs) > 1 else 1
+        i_step = pairs[1][1] - i0 if len(pairs) > 1 else 1
+        out.append((slice(o0, o1 + 1, o_step), slice(i0, i1 + 1, i_step)))
+    return out
 
 
 @register("convolution")
@@ -157,6 +179,11 @@ def convolution(ctx: KernelContext) -> KernelFn:
     chunk = numerics.half_partials_chunk("convolution", ctx.operand_dtypes) if numerics is not None else 0
     pointwise = not chunk and kp == 1 and groups == 1 and frame == sp and all(s == 1 for s in ws.strides)
     depthwise = not chunk and gf > 1 and cg == 1
+    # A 1x1 window with strides, padding or base dilation (the input gradient of a strided
+    # 1x1 convolution): one matmul of the input elements some output reads, placed into
+    # zeros; no frame, no im2col.
+    unit = not chunk and not pointwise and kp == 1 and groups == 1 and bool(k)
+    unit_slices = _unit_window_slices(sp, os_, ws) if unit else None
     row_budget = max(1, _BLOCK_ELEMENTS // max(1, groups * kc))
     blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
     trivial = rows == 0 or kc == 0
@@ -171,6 +198,8 @@ def convolution(ctx: KernelContext) -> KernelFn:
     by_position = (not chunk and not depthwise and not pointwise and math.prod(os_) <= 256
                    and kp >= math.prod(os_) and ib > i_f)
     positions = list(itertools.product(*(range(v) for v in os_)))
+    per_group = max(1, min(-(-64 // max(1, n)), (1 << 22) // max(1, n * kc)))
+    position_groups = [positions[i:i + per_group] for i in range(0, len(positions), per_group)]
 
     def framed(x: np.ndarray) -> np.ndarray:
         """``x`` as (lead, *spatial, trail), padded/dilated into the frame or cropped."""
@@ -194,6 +223,22 @@ def convolution(ctx: KernelContext) -> KernelFn:
         # (groups, in-feature x window, out) with rows ordered (feature, window position).
         kern = np.ascontiguousarray(kern.reshape(cg * kp, groups, og).transpose(1, 0, 2), dtype=cdt)
         out = np.empty((nb, *os_, ko), cdt)
+        if groups == 1 and n < 64:
+            # Few rows per position (a small batch of the lhs, e.g. a first layer's 3
+            # colours): stack several positions' rows into one matmul.
+            def position_group(i: int) -> None:
+                grp = position_groups[i]
+                rows_ = parallel.scratch(len(grp) * n * kc, cdt).reshape(len(grp), n, kc)
+                for g, pos in enumerate(grp):
+                    slab = p[(slice(None), *(slice(o * st, o * st + (kk - 1) * d + 1, d) for o, st, kk, d in
+                                             zip(pos, ws.strides, ks, ws.window_dilation, strict=True)), slice(None))]
+                    np.copyto(rows_[g].reshape((n, c, *ks)), np.moveaxis(slab, -1, 0))
+                res = np.matmul(rows_.reshape(len(grp) * n, kc), kern[0])
+                for g, pos in enumerate(grp):
+                    out[(slice(None), *pos, slice(None))] = res[g * n:(g + 1) * n]
+
+            parallel.run_parts(position_group, len(position_groups))
+            return finish(out)
 
         def position(i: int) -> None:
             pos = positions[i]
@@ -238,6 +283,15 @@ def convolution(ctx: KernelContext) -> KernelFn:
         g_str = s_n * nb if gb > 1 else (s_c * cg if gf > 1 else 0)
         return as_strided(p, (groups, nb, *os_, *ks, cg), (g_str, s_n, *o_str, *k_str, s_c), writeable=False)
 
+    def run_unit(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        out = np.zeros((nb, *os_, ko), cdt)
+        if unit_slices is not None:
+            x = lhs.transpose(lhs_perm).reshape((n, *sp, c))
+            x = x[(slice(None), *(i for _, i in unit_slices), slice(None))]
+            res = parallel.matmul(np.ascontiguousarray(x, dtype=cdt).reshape(-1, c), prepare_kernel(rhs)[0])
+            out[(slice(None), *(o for o, _ in unit_slices), slice(None))] = res.reshape((*x.shape[:-1], ko))
+        return finish(out)
+
     def run(operands: Sequence[Any]) -> np.ndarray:
         lhs, rhs = np.asarray(operands[0]), np.asarray(operands[1])
         if lhs.shape != lhs_shape or rhs.shape != rhs_shape:
@@ -247,11 +301,14 @@ def convolution(ctx: KernelContext) -> KernelFn:
             return np.zeros(out_shape, out_dt)
         if by_position:
             return run_by_position(lhs, rhs)
+        if unit:
+            return run_unit(lhs, rhs)
         p = prepare_input(lhs)
         kern = prepare_kernel(rhs)
         if pointwise:
             res = parallel.matmul(p.reshape(rows, c), kern[0])
             return finish(res)
+
         if depthwise:
             # One input feature per group: per block of output rows (sized to stay in cache)
             # and per channel multiplier, one einsum sums the window taps of the strided view

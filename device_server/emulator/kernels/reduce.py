@@ -18,6 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from device_server.emulator import parallel
 from device_server.emulator.kernels import KernelContext, KernelFn, inline, register
 from device_server.emulator.kernels.elementwise import total_order_key
 from device_server.protocol import dtypes, ir_pb2
@@ -38,6 +39,33 @@ def _as_list(value: Any, n: int) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------------ reduce
+
+# A float32 sum over the leading dimensions of at least this many elements is cut into parts.
+_SPLIT_REDUCE_ELEMENTS = 1 << 18
+_SUM_PARTS = 8
+
+
+def _split_leading_sum(rows: int, kept_shape: tuple[int, ...], dt: np.dtype) -> KernelFn:
+    """A float32 sum over the leading dimensions (a BatchNormalization's moments over
+    N*H*W): the rows are cut into a fixed number of parts (so the result does not depend on
+    the thread count), each summed in float64 on the emulator's threads, then the partial
+    sums are added in float64 and rounded once."""
+    ranges = parallel.split(rows, _SUM_PARTS)
+    cols = int(np.prod(kept_shape, dtype=np.int64))
+
+    def run(ops: Sequence[Any]) -> np.ndarray:
+        x = np.asarray(ops[0]).reshape(rows, cols)
+        partial = np.empty((len(ranges), cols), np.float64)
+
+        def part(i: int) -> None:
+            s, e = ranges[i]
+            np.add.reduce(x[s:e], axis=0, dtype=np.float64, out=partial[i])
+
+        parallel.run_parts(part, len(ranges))
+        return np.add(np.add.reduce(partial, axis=0), ops[1]).astype(dt).reshape(kept_shape)
+
+    return run
+
 
 
 @register("reduce")
@@ -69,6 +97,9 @@ def _reduce(ctx: KernelContext) -> KernelFn:
             # and MobileNetV2's training step amplified that to 1e-2 gradient errors (XLA's:
             # 3e-4 from float64). Accumulate in float64 (buffered, ~2x this reduce's time)
             # and round once.
+            lead_rows = int(np.prod(in_shape[: len(dims)], dtype=np.int64))
+            if dims == tuple(range(len(dims))) and int(np.prod(in_shape, dtype=np.int64)) >= _SPLIT_REDUCE_ELEMENTS:
+                return _split_leading_sum(lead_rows, kept_shape, dt)
             return inline(
                 lambda ops: np.add(np.add.reduce(ops[0], axis=dims, dtype=np.float64), ops[1]).astype(dt),
                 "{u}({r}({0}, axis={d}, dtype={w}), {1}).astype({t})",
