@@ -89,7 +89,7 @@ __all__ = ["CompileOptions", "Executable", "compile_module", "literal_to_value"]
 
 # Kernel modules. The spatial ones (conv, window, indexing) are written separately and may be
 # absent from a checkout; the rest are required.
-_KERNEL_MODULES = ("elementwise", "shapes", "dot", "reduce", "control", "rng")
+_KERNEL_MODULES = ("elementwise", "shapes", "dot", "reduce", "control", "rng", "linalg", "norm", "fft")
 _OPTIONAL_KERNEL_MODULES = ("conv", "window", "indexing")
 
 

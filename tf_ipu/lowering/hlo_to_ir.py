@@ -463,7 +463,25 @@ def _convert_instruction(
         _padding(h, attrs)
     if h.opcode == "slice" and "start_indices" not in out.attrs:
         _slice(h, attrs)
+    # Proto3 leaves out zero values: FFT is fft_type 0, feature_index 0 and epsilon 0 are legal.
+    for name, kind, value in _DEFAULTS.get(h.opcode, ()):
+        if name not in out.attrs:
+            getattr(attrs, kind)(name, value)
+    if h.opcode == "triangular-solve" and "transpose_a" not in out.attrs:
+        _triangular(h, attrs)  # no options at all: TRANSPOSE_INVALID, refused by the emulator
     return out
+
+
+# opcode -> (attribute, kind, value) written when the HLO leaves the field at its default.
+_DEFAULTS: dict[str, tuple[tuple[str, str, object], ...]] = {
+    "fft": (("fft_type", "s", "FFT"),),
+    **dict.fromkeys(
+        ("batch-norm-training", "batch-norm-inference", "batch-norm-grad"),
+        (("epsilon", "f", 0.0), ("feature_index", "i", 0)),
+    ),
+    "cholesky": (("lower", "flag", False),),
+    "topk": (("k", "i", 0), ("largest", "flag", False)),
+}
 
 
 def hlo_proto_to_ir(hlo: hlo_pb2.HloModuleProto) -> ir_pb2.Module:

@@ -23,6 +23,13 @@ How each kind of instruction is planned:
 * **reduce-window / select-and-scatter** (pooling and its gradient): the window's input is
   exchanged in, then vector work per output (or input) element times the window.
 * **sort** keeps each row (the elements along the sorted dimension) on one tile.
+* **cholesky, triangular-solve, fft, topk** are batches of independent problems (matrices,
+  transforms, rows): each problem runs on one tile, or on a group of tiles in sequential
+  stages (a column, a row or a radix pass each, with one exchange per stage) when it would
+  not fit in an eighth of a tile or when splitting it is faster; the group size with the
+  fewest cycles wins.
+* **batch-norm-*** work like element-wise ops on the operand's mapping, plus (training and
+  grad) a reduction of per-feature partial sums across tiles and their return to every tile.
 * **while** plans its condition and body once and repeats their supersteps by the trip count
   (``loops.py``); **call** plans the callee in place; **conditional** costs its costliest branch.
 
@@ -65,6 +72,11 @@ _TRANSCENDENTAL = frozenset({
 _PLUMBING = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "reshape",
                        "bitcast", "copy", "broadcast", "convert"})
 _RNG = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state"})
+# Batches of independent problems (matrices, transforms, rows), planned by ``_problems``.
+_PROBLEMS = frozenset({"cholesky", "triangular-solve", "fft", "topk"})
+_BATCH_NORM = frozenset({"batch-norm-training", "batch-norm-inference", "batch-norm-grad"})
+# A problem is split over more tiles when its data would take more than this share of a tile.
+_PROBLEM_TILE_SHARE = 0.125
 _ELEMENTWISE = frozenset({
     "abs", "negate", "sign", "exponential", "exponential-minus-one", "log", "log-plus-one",
     "logistic", "sqrt", "rsqrt", "cbrt", "tanh", "sine", "cosine", "tan", "floor", "ceil",
@@ -124,6 +136,13 @@ def _ints(instr: ir_pb2.Instruction, name: str, default: tuple[int, ...] = ()) -
     if v.WhichOneof("value") == "i":
         return (int(v.i),)
     return default
+
+
+def _attr_str(instr: ir_pb2.Instruction, name: str, default: str = "") -> str:
+    if name not in instr.attrs:
+        return default
+    v = instr.attrs[name]
+    return v.s if v.WhichOneof("value") == "s" else default
 
 
 def _int(instr: ir_pb2.Instruction, name: str, default: int = 0) -> int:
@@ -552,6 +571,10 @@ class _Planner:
             return self._window(ctx, instr, ops, k)
         if op == "sort":
             return self._sort(ctx, instr, ops, k)
+        if op in _PROBLEMS:
+            return self._problems(ctx, instr, ops, k)
+        if op in _BATCH_NORM:
+            return self._batch_norm(ctx, instr, ops, k)
         if op in _MOVES:
             return self._move(ctx, instr, ops, k)
         if op == "while":
@@ -1018,6 +1041,176 @@ class _Planner:
                       rows * compares * per, k, recv=recv, src_bytes_per_tile=send, codelet="sort")
         ctx.points[k].temps.append((rng, recv))
         self.record(instr, out_parts[0].mapping, [s], recv, f"{rows} row(s) of {row} on {tiles} tile(s)")
+        return out
+
+    # -- batches of independent problems -------------------------------------------------
+    def _problem_figures(self, instr: ir_pb2.Instruction) -> tuple[int, float, float, int, str]:
+        """(problems, elements per problem, FLOPs per problem, panels, what). A problem with
+        panels, split over tiles, runs one stage per panel (column or row) and shares that
+        panel with its group; the others (transforms, selections) exchange each tile's share
+        once per halving of the group."""
+        op = instr.opcode
+        shape = self._operand_shape(instr, 0)
+        dims = [int(d) for d in shape.dims] or [1]
+        total = max(1, _elems(shape))
+        if op in ("cholesky", "triangular-solve"):
+            m = max(1, dims[-1])
+            batch = max(1, total // (m * m))
+            if op == "cholesky":
+                flops = m ** 3 / 3.0 + m * self.t.flops_per_transcendental
+                return batch, float(m * m), flops, m, f"{batch} {m} x {m} matrices"
+            rhs = max(1, _elems(instr.shape) // (batch * m))
+            return batch, float(m * m + m * rhs), float(m * m * rhs), m, \
+                f"{batch} {m} x {m} solves with {rhs} right-hand sides"
+        if op == "fft":
+            lengths = _ints(instr, "fft_length", (dims[-1],))
+            n = max(1, int(np.prod(lengths, dtype=np.int64)))
+            real = _attr_str(instr, "fft_type") in ("RFFT", "IRFFT")
+            rows = max(1, total // max(1, int(np.prod(dims[-len(lengths):], dtype=np.int64))))
+            flops = (2.5 if real else 5.0) * n * max(1.0, math.log2(n))
+            return rows, float(n), flops, 0, f"{rows} transforms of {n}"
+        n = max(1, dims[-1])  # topk: a selection of k in each row
+        rows = max(1, total // n)
+        return rows, float(n), n * math.log2(max(2, _int(instr, "k", 1))), 0, f"{rows} rows of {n}"
+
+    def _problems(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
+        t = self.t
+        self.use(ctx, ops, k)
+        problems, per_elems, per_flops, panels, what = self._problem_figures(instr)
+        item = max(1, _itemsize(self._operand_shape(instr, 0)))
+        per_bytes = per_elems * item
+        rate = cyc.vector_rate(t, item)
+        budget = max(1.0, t.sram_bytes_per_tile * _PROBLEM_TILE_SHARE)
+        need = min(self.T, max(1, math.ceil(per_bytes / budget)))  # tiles one problem needs
+
+        def cost(split: int) -> tuple[float, float, float, int, float]:
+            """(cycles, compute, bytes in, stages, bytes per stage) with ``split`` tiles each."""
+            groups = max(1, min(problems, self.T // split))
+            per_group = math.ceil(problems / groups)
+            work = per_group * per_flops / split
+            recv = per_group * per_bytes / split
+            compute = cyc.compute_cycles(t, work, work * item / 2, rate,
+                                         min(t.worker_threads_per_tile, per_group * split))
+            total = compute + cyc.exchange_cycles(t, recv) + t.sync_cycles
+            stages, stage_bytes = 0, 0.0
+            if split > 1:
+                if panels:
+                    stages = panels
+                    stage_bytes = per_group * per_bytes / stages
+                else:
+                    stages = math.ceil(math.log2(split))
+                    stage_bytes = recv
+                total += stages * (t.sync_cycles + cyc.exchange_cycles(t, stage_bytes, stage_bytes))
+            return total, compute, recv, stages, stage_bytes
+
+        splits = []
+        split = need
+        while True:
+            splits.append(split)
+            if split >= self.T or split * problems >= 2 * self.T:
+                break
+            split = min(self.T, split * 2)
+        split = min(splits, key=lambda sp: cost(sp)[0])
+        _, compute, recv, stages, stage_bytes = cost(split)
+        groups = max(1, min(problems, self.T // split))
+        rng = self.alloc.spread(groups * split, groups * split)
+        send = 0.0
+        for v in ops:
+            if isinstance(v, Buf):
+                send = max(send, self.mapping_of(v).max_elements * v.itemsize)
+        flops = problems * per_flops
+        if not stages:
+            steps = [self.step(ctx, instr, "linalg", rng, compute, cyc.exchange_cycles(t, recv, send),
+                               flops, k, recv=recv, src_bytes_per_tile=send, codelet=instr.opcode)]
+        else:
+            steps = [
+                self.step(ctx, instr, "exchange", rng, 0.0, cyc.exchange_cycles(t, recv, send), 0.0, k,
+                          recv=recv, src_bytes_per_tile=send, codelet="copy"),
+                self.step(ctx, instr, "linalg", rng, compute / stages,
+                          cyc.exchange_cycles(t, stage_bytes, stage_bytes), flops / stages, k,
+                          repeat=stages, recv=stage_bytes, src_bytes_per_tile=stage_bytes,
+                          codelet=instr.opcode),
+            ]
+        parts = []
+        for shape in _leaf_shapes(instr.shape):
+            elems = max(1, _elems(shape))
+            b = Buf(instr, _itemsize(shape), elems, "activation", ctx, k,
+                    TileMapping(rng.first, rng.tiles, elems, self.T))
+            ctx.bufs.append(b)
+            parts.append(b)
+        out: Value = tuple(parts) if instr.shape.is_tuple else parts[0]
+        ctx.points[k].temps.append((rng, recv + stage_bytes))
+        where = "one tile each" if split == 1 else f"{split} tiles each in {stages} stages"
+        self.record(instr, rng, steps, recv + stage_bytes, f"{what} on {rng.tiles} tile(s), {where}")
+        return out
+
+    def _batch_norm(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
+        """Element-wise work on the operand's mapping; training and grad first reduce
+        per-feature partial sums across tiles and send the moments back to every tile."""
+        t = self.t
+        self.use(ctx, ops, k)
+        op = instr.opcode
+        in_shape = self._operand_shape(instr, 0)
+        elems = max(1, _elems(in_shape))
+        item = max(1, _itemsize(in_shape))
+        dims = [int(d) for d in in_shape.dims] or [1]
+        fi = _int(instr, "feature_index", len(dims) - 1)
+        features = max(1, dims[fi] if fi < len(dims) else 1)
+        x = ops[0]
+        m = self.mapping_of(x) if isinstance(x, Buf) and x.elements == elems \
+            else self.alloc.linear(elems, item)
+        e = m.max_elements
+        local_features = min(features, e)
+        # (partial sums per feature, FLOPs per element reducing, FLOPs per element normalizing)
+        stats, reduce_flops, ew_flops = {
+            "batch-norm-training": (2, 3.0, 3.0),
+            "batch-norm-inference": (0, 0.0, 3.0),
+            "batch-norm-grad": (2, 4.0, 6.0),
+        }[op]
+        vectors = len(ops) - 1 - (op == "batch-norm-grad")
+        vec_recv = local_features * item * vectors  # scale, offset, moments for this tile's features
+        rate = cyc.vector_rate(t, item)
+        pieces = cyc.worker_pieces(t, e, item)
+        steps = []
+        temp = float(vec_recv)
+        if stats:
+            c1 = cyc.compute_cycles(t, reduce_flops * e, e * item * (1 + (op == "batch-norm-grad")), rate, pieces)
+            steps.append(self.step(ctx, instr, "reduce", m, c1, cyc.exchange_cycles(t, vec_recv), reduce_flops * elems,
+                                   k, recv=vec_recv, codelet="reduce"))
+            # Partials of each statistic travel to its owner, in two stages from many tiles.
+            contributors = max(1.0, m.tiles * local_features / features)
+            fanins = [contributors] if contributors <= _REDUCE_FANIN else \
+                [math.ceil(math.sqrt(contributors)), math.ceil(contributors / math.ceil(math.sqrt(contributors)))]
+            remaining = contributors
+            sent = local_features * stats * _ACC_BYTES
+            for fan in fanins:
+                left = max(1.0, math.ceil(remaining / fan))
+                owners = self.alloc.linear(int(features * stats * left), _ACC_BYTES)
+                recv = owners.max_elements * fan * _ACC_BYTES
+                c2 = cyc.compute_cycles(t, owners.max_elements * fan, recv, cyc.vector_rate(t, _ACC_BYTES),
+                                        cyc.worker_pieces(t, owners.max_elements, _ACC_BYTES))
+                steps.append(self.step(ctx, instr, "reduce", owners, c2, cyc.exchange_cycles(t, recv, sent),
+                                       features * stats * left * fan, k, recv=recv, src_bytes_per_tile=sent,
+                                       codelet="reduce"))
+                ctx.points[k].temps.append((owners, recv))
+                temp = max(temp, recv)
+                sent = owners.max_elements * _ACC_BYTES
+                remaining = left
+            back = local_features * stats * _ACC_BYTES
+        else:
+            back = float(vec_recv)
+        c3 = cyc.compute_cycles(t, (ew_flops + t.flops_per_transcendental * local_features / e) * e,
+                                e * item * (2 + (op == "batch-norm-grad")), rate, pieces)
+        steps.append(self.step(ctx, instr, "element-wise", m, c3, cyc.exchange_cycles(t, back), ew_flops * elems,
+                               k, recv=back, codelet=op))
+        ctx.points[k].temps.append((m, temp))
+        leaves = _leaf_shapes(instr.shape)
+        parts = [Buf(instr, _itemsize(leaves[0]), elems, "activation", ctx, k, m)]
+        for shape in leaves[1:]:
+            parts.append(self.new_buf(ctx, instr, shape, k))
+        ctx.bufs.append(parts[0])
+        out: Value = tuple(parts) if instr.shape.is_tuple else parts[0]
+        self.record(instr, m, steps, temp, f"{features} feature(s) over {m.tiles} tile(s)")
         return out
 
     # -- control flow -------------------------------------------------------------------
