@@ -771,9 +771,9 @@ class _Compiler:
             index = {s: j for j, s in enumerate(g.inputs)}
             members = []
             for n, m in enumerate(g.members):
-                mst = steps[m][0]
+                mst, minstr = steps[m]
                 members.append(fusion.Member(mst.fn, getattr(mst.fn, "ufunc", None),
-                                             tuple(index[s] for s in mst.ins)))
+                                             tuple(index[s] for s in mst.ins), _shape_of(minstr.shape)[0]))
                 index[mst.out] = len(g.inputs) + n
             dt, shape = _shape_of(instr.shape)
             fn = fusion.fused_kernel(shape, dt, [dims[s] for s in g.inputs], members)

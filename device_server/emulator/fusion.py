@@ -46,6 +46,7 @@ class Member:
     fn: Callable[[Sequence[Any]], Any]
     ufunc: np.ufunc | None
     args: tuple[int, ...]
+    dtype: np.dtype | None = None  # of the result
 
 
 @dataclass(frozen=True)
@@ -164,9 +165,27 @@ def fused_kernel(
     for d, f in zip(input_dims, full, strict=True):
         padded = (1,) * (rank - len(d)) + tuple(d)
         views.append((rows, *padded[lead:]) if f else (None if not d else padded[lead:]))
+    n_in = len(views)
     body = list(members[:-1])
     last = members[-1]
     last_args = last.args
+    # A ufunc member may write its result into the block buffer of an earlier member's
+    # result of the same dtype that nothing reads afterwards (fewer allocations).
+    last_read = {}
+    for k, m in enumerate(members):
+        for j in m.args:
+            last_read[j] = k
+    into: list[int] = []
+    for k, m in enumerate(body):
+        target = -1
+        if m.ufunc is not None and m.dtype is not None:
+            for j in m.args:
+                if j >= n_in and last_read.get(j) == k and members[j - n_in].dtype == m.dtype \
+                        and m.args.count(j) == 1:
+                    target = j
+                    break
+        into.append(target)
+    steps = list(zip(body, into, strict=True))
 
     def run(ops: Sequence[Any]) -> np.ndarray:
         src = []
@@ -178,9 +197,12 @@ def fused_kernel(
             a = starts[i]
             b = a + block_rows
             vals = [v[a:b] if f else v for v, f in zip(src, full, strict=True)]
-            for m in body:
+            for m, t in steps:
                 args = [vals[j] for j in m.args]
-                vals.append(m.ufunc(*args) if m.ufunc is not None else m.fn(args))
+                if t >= 0:
+                    vals.append(m.ufunc(*args, out=vals[t]))
+                else:
+                    vals.append(m.ufunc(*args) if m.ufunc is not None else m.fn(args))
             args = [vals[j] for j in last_args]
             dst = out[a:b]
             if last.ufunc is not None:
