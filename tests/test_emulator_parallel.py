@@ -213,3 +213,11 @@ def test_fused_gelu_matches_xla():
     d = eu.Differential(gelu, x)
     assert len(_arithmetic_steps(d.exe)) == 1, d.exe._program.source  # one fused chain
     d.check(x, rtol=1e-5, atol=1e-6)
+
+
+def test_server_flag_sets_the_thread_count(capsys):
+    from device_server import cli
+
+    assert cli.build_parser().parse_args(["--emulator-threads", "3"]).emulator_threads == 3
+    assert cli.main(["--emulator-threads", "-1"]) == 2
+    assert "--emulator-threads must be >= 0" in capsys.readouterr().err
