@@ -23,12 +23,12 @@ step. Called computations (while, call, conditional, reducers, comparators) are 
 same way. ``bench/bench_emulator.py`` times Keras training loops against TF on CPU.
 
 Errors: :class:`UnsupportedOpError` (compile time; an opcode without a kernel, one listed in
-``CompileOptions.refuse_opcodes``, or any ``custom-call``), :class:`OutOfMemoryError` (compile
-time, when the estimate does not fit the tiles' SRAM and ``allow_out_of_memory`` is not set),
-:class:`InvalidProgramError` (malformed IR), :class:`ExecutionError` (bad arguments or a kernel
-failure at run time), :class:`FloatingPointExceptionError` (an ExecutionError: a floating-point
-exception check fired). Messages name the instruction, its opcode, the framework op and the
-Keras layer.
+``CompileOptions.refuse_opcodes``, or a ``custom-call`` with an unregistered target),
+:class:`OutOfMemoryError` (compile time, when the estimate does not fit the tiles' SRAM and
+``allow_out_of_memory`` is not set), :class:`InvalidProgramError` (malformed IR),
+:class:`ExecutionError` (bad arguments or a kernel failure at run time),
+:class:`FloatingPointExceptionError` (an ExecutionError: a floating-point exception check
+fired). Messages name the instruction, its opcode, the framework op and the Keras layer.
 
 Test switch: ``CompileOptions(fault_inject_opcode="dot")`` perturbs every result of that
 opcode at run time (floats ``x * 1.01 + 1e-3``, integers ``+1``, booleans negated), so a test

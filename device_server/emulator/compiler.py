@@ -89,7 +89,8 @@ __all__ = ["CompileOptions", "Executable", "compile_module", "literal_to_value"]
 
 # Kernel modules. The spatial ones (conv, window, indexing) are written separately and may be
 # absent from a checkout; the rest are required.
-_KERNEL_MODULES = ("elementwise", "shapes", "dot", "reduce", "control", "rng", "linalg", "norm", "fft")
+_KERNEL_MODULES = ("elementwise", "shapes", "dot", "reduce", "control", "rng", "linalg", "norm", "fft",
+                   "custom_linalg")
 _OPTIONAL_KERNEL_MODULES = ("conv", "window", "indexing")
 
 
@@ -104,8 +105,9 @@ def _load_kernels() -> None:
 
 _load_kernels()
 
-# Opcodes never run, whatever the options say.
-ALWAYS_REFUSED = frozenset({"custom-call"})
+# Opcodes never run, whatever the options say (none today). A ``custom-call`` runs only when
+# its target is registered (``kernels.CUSTOM_CALLS``); any other target is refused.
+ALWAYS_REFUSED: frozenset[str] = frozenset()
 # Opcodes that are evaluated at compile time when all their operands are constants.
 _NOT_FOLDABLE = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "outfeed"})
 _FOLD_LIMIT_BYTES = 16 << 20
@@ -561,6 +563,8 @@ class _Compiler:
                     why = "refused by the compile options"
                 elif op not in kernels.REGISTRY:
                     why = "has no emulator kernel"
+                elif op == "custom-call" and not kernels.custom_call_supported(instr):
+                    why = f"target '{kernels.custom_call_target(instr)}' has no emulator kernel"
                 else:
                     stack.extend(instr.called_computations)
                     continue
@@ -1041,7 +1045,8 @@ def compile_module(
     """Compiles ``module`` for ``target``.
 
     Raises :class:`UnsupportedOpError` for an opcode without a kernel, refused by
-    ``options.refuse_opcodes`` or a ``custom-call``; :class:`InvalidProgramError` for a
+    ``options.refuse_opcodes`` or a ``custom-call`` whose target has no registered kernel
+    (``kernels.CUSTOM_CALLS``); :class:`InvalidProgramError` for a
     malformed module; :class:`OutOfMemoryError` when the estimate does not fit the tiles'
     memory (unless ``options.allow_out_of_memory``); ``ValueError`` for a bad
     numerics option (``partials_type``).

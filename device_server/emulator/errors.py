@@ -28,8 +28,8 @@ class EmulatorError(Exception):
 
 
 class UnsupportedOpError(EmulatorError):
-    """An opcode without a kernel, refused by the compile options, or always refused
-    (``custom-call``). Raised at compile time."""
+    """An opcode without a kernel, refused by the compile options, or a ``custom-call``
+    whose target has no registered kernel. Raised at compile time."""
 
 
 class OutOfMemoryError(EmulatorError):

@@ -59,7 +59,7 @@ _IGNORED_FIELDS = frozenset(
         "control_predecessor_ids",  # ordering only; the IR is side-effect free
         "sharding", "domain_entry_sharding", "domain_exit_sharding",  # single device
         "frontend_attributes", "statistics_viz", "original_value", "parameter_replication",
-        "backend_config",  # backend tuning hints
+        "backend_config",  # backend tuning hints (but a custom-call's opaque data, kept below)
         "is_composite",  # a composite call still means "call"
         "padding_type", "conv_kind", "is_associative",  # hints derivable from other fields
     }
@@ -416,6 +416,9 @@ def _convert_instruction(
     attrs = _Attrs(out)
     for field, _ in h.ListFields():
         name = field.name
+        if name == "backend_config" and h.opcode == "custom-call":
+            attrs.b("backend_config", h.backend_config)  # XLA CustomCall's "opaque" string
+            continue
         if name in _IGNORED_FIELDS:
             continue
         if name in _CUSTOM_CALL_FIELDS and h.opcode == "custom-call":

@@ -11,6 +11,13 @@ Values may be numpy scalars as well as arrays (scalar arithmetic stays in numpy 
 tuple-shaped values are Python tuples of them. Kernels implement XLA's published operation
 semantics (https://openxla.org/xla/operation_semantics) with numpy as the building block;
 they never hand work to XLA, TensorFlow or JAX.
+
+``custom-call`` is one opcode with many meanings, chosen by its ``custom_call_target``
+attribute. Its factory looks the target up in :data:`CUSTOM_CALLS` (filled by
+:func:`register_custom_call`) and hands the instruction to that target's factory; a target not
+in the table is refused (:class:`UnsupportedOpError`). Only targets whose semantics are public
+and fixed belong in the table (e.g. XLA's ``Qr``, the LAPACK ``geqrf`` factorization). The
+target string is only ever a key: nothing from the wire becomes code.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from device_server.emulator.errors import UnsupportedOpError, describe
 from device_server.protocol import ir_pb2
 
 Value = Any  # np.ndarray, or a tuple of Values for tuple shapes
@@ -86,3 +94,50 @@ def register(*opcodes: str) -> Callable[[Factory], Factory]:
         return factory
 
     return deco
+
+
+# ------------------------------------------------------------------------------ custom-call
+
+CUSTOM_CALL_TARGET = "custom_call_target"  # the IR attribute naming a custom-call's target
+CUSTOM_CALLS: dict[str, Factory] = {}
+
+
+def register_custom_call(*targets: str) -> Callable[[Factory], Factory]:
+    """Registers a kernel factory for one or more ``custom-call`` targets (exact strings, as
+    XLA spells them, e.g. ``"Qr"``). The factory gets the ``custom-call`` instruction's
+    context, like any opcode's factory."""
+
+    def deco(factory: Factory) -> Factory:
+        for target in targets:
+            if target in CUSTOM_CALLS:
+                raise RuntimeError(f"custom-call target {target!r} registered twice")
+            CUSTOM_CALLS[target] = factory
+        return factory
+
+    return deco
+
+
+def custom_call_target(instr: ir_pb2.Instruction) -> str:
+    """The ``custom_call_target`` of an instruction ("" if it has none)."""
+    if CUSTOM_CALL_TARGET not in instr.attrs:
+        return ""
+    v = instr.attrs[CUSTOM_CALL_TARGET]
+    return v.s if v.WhichOneof("value") == "s" else ""
+
+
+def custom_call_supported(instr: ir_pb2.Instruction) -> bool:
+    """Whether a ``custom-call``'s target has a registered kernel."""
+    return custom_call_target(instr) in CUSTOM_CALLS
+
+
+@register("custom-call")
+def custom_call(ctx: KernelContext) -> KernelFn:
+    """Dispatches on ``custom_call_target`` to the target's registered factory."""
+    target = custom_call_target(ctx.instr)
+    factory = CUSTOM_CALLS.get(target)
+    if factory is None:
+        raise UnsupportedOpError(
+            f"Unsupported op on the IPU emulator: custom-call target '{target}' has no emulator "
+            f"kernel: {describe(ctx.instr)}"
+        )
+    return factory(ctx)

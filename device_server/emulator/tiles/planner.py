@@ -23,11 +23,12 @@ How each kind of instruction is planned:
 * **reduce-window / select-and-scatter** (pooling and its gradient): the window's input is
   exchanged in, then vector work per output (or input) element times the window.
 * **sort** keeps each row (the elements along the sorted dimension) on one tile.
-* **cholesky, triangular-solve, fft, topk** are batches of independent problems (matrices,
-  transforms, rows): each problem runs on one tile, or on a group of tiles in sequential
-  stages (a column, a row or a radix pass each, with one exchange per stage) when it would
-  not fit in an eighth of a tile or when splitting it is faster; the group size with the
-  fewest cycles wins.
+* **cholesky, triangular-solve, fft, topk** and the linear-algebra **custom-call** targets
+  (``Qr``, ``ProductOfElementaryHouseholderReflectors``, ``Eigh``) are batches of independent
+  problems (matrices, transforms, rows): each problem runs on one tile, or on a group of
+  tiles in sequential stages (a column, a row or a radix pass each, with one exchange per
+  stage) when it would not fit in an eighth of a tile or when splitting it is faster; the
+  group size with the fewest cycles wins.
 * **batch-norm-*** work like element-wise ops on the operand's mapping, plus (training and
   grad) a reduction of per-feature partial sums across tiles and their return to every tile.
 * **while** plans its condition and body once and repeats their supersteps by the trip count
@@ -74,6 +75,8 @@ _PLUMBING = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "r
 _RNG = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state"})
 # Batches of independent problems (matrices, transforms, rows), planned by ``_problems``.
 _PROBLEMS = frozenset({"cholesky", "triangular-solve", "fft", "topk"})
+# custom-call targets planned the same way (other targets fall back to one compute set).
+_CUSTOM_PROBLEMS = frozenset({"Qr", "ProductOfElementaryHouseholderReflectors", "Eigh"})
 _BATCH_NORM = frozenset({"batch-norm-training", "batch-norm-inference", "batch-norm-grad"})
 # A problem is split over more tiles when its data would take more than this share of a tile.
 _PROBLEM_TILE_SHARE = 0.125
@@ -571,7 +574,8 @@ class _Planner:
             return self._window(ctx, instr, ops, k)
         if op == "sort":
             return self._sort(ctx, instr, ops, k)
-        if op in _PROBLEMS:
+        if op in _PROBLEMS or (op == "custom-call"
+                               and _attr_str(instr, "custom_call_target") in _CUSTOM_PROBLEMS):
             return self._problems(ctx, instr, ops, k)
         if op in _BATCH_NORM:
             return self._batch_norm(ctx, instr, ops, k)
@@ -1062,6 +1066,8 @@ class _Planner:
             rhs = max(1, _elems(instr.shape) // (batch * m))
             return batch, float(m * m + m * rhs), float(m * m * rhs), m, \
                 f"{batch} {m} x {m} solves with {rhs} right-hand sides"
+        if op == "custom-call":
+            return self._custom_problem(instr, dims, total)
         if op == "fft":
             lengths = _ints(instr, "fft_length", (dims[-1],))
             n = max(1, int(np.prod(lengths, dtype=np.int64)))
@@ -1072,6 +1078,27 @@ class _Planner:
         n = max(1, dims[-1])  # topk: a selection of k in each row
         rows = max(1, total // n)
         return rows, float(n), n * math.log2(max(2, _int(instr, "k", 1))), 0, f"{rows} rows of {n}"
+
+    def _custom_problem(self, instr: ir_pb2.Instruction, dims: list[int],
+                        total: int) -> tuple[int, float, float, int, str]:
+        """``_problem_figures`` of a linear-algebra custom-call on ``a [..., m, n]``. FLOPs
+        (LAPACK Working Note 41): Householder QR ``2 m n^2 - 2/3 n^3`` (m >= n; ``4/3 n^3``
+        square) plus a square root per column; forming Q from k reflectors
+        ``4 m n k - 2 (m + n) k^2 + 4/3 k^3``; a symmetric eigendecomposition with vectors
+        ``9 n^3``. One stage per column (QR, Q) or per row (Jacobi sweeps) when split."""
+        target = _attr_str(instr, "custom_call_target")
+        m, n = (dims[-2], dims[-1]) if len(dims) >= 2 else (1, dims[-1])
+        m, n = max(1, m), max(1, n)
+        batch = max(1, total // (m * n))
+        if target == "Qr":
+            big, small = max(m, n), min(m, n)
+            flops = 2.0 * big * small ** 2 - 2.0 * small ** 3 / 3 + small * self.t.flops_per_transcendental
+            return batch, float(m * n), flops, small, f"{batch} {m} x {n} QR factorizations"
+        if target == "Eigh":
+            return batch, float(2 * n * n), 9.0 * n ** 3, n, f"{batch} {n} x {n} eigendecompositions"
+        rk = min(n, max(1, _elems(self._operand_shape(instr, 1)) // batch))  # Householder product
+        flops = 4.0 * m * n * rk - 2.0 * (m + n) * rk ** 2 + 4.0 * rk ** 3 / 3
+        return batch, float(m * n), flops, rk, f"{batch} {m} x {n} products of {rk} reflectors"
 
     def _problems(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
         t = self.t
@@ -1119,9 +1146,10 @@ class _Planner:
             if isinstance(v, Buf):
                 send = max(send, self.mapping_of(v).max_elements * v.itemsize)
         flops = problems * per_flops
+        codelet = _attr_str(instr, "custom_call_target") or instr.opcode  # one per target
         if not stages:
             steps = [self.step(ctx, instr, "linalg", rng, compute, cyc.exchange_cycles(t, recv, send),
-                               flops, k, recv=recv, src_bytes_per_tile=send, codelet=instr.opcode)]
+                               flops, k, recv=recv, src_bytes_per_tile=send, codelet=codelet)]
         else:
             steps = [
                 self.step(ctx, instr, "exchange", rng, 0.0, cyc.exchange_cycles(t, recv, send), 0.0, k,
@@ -1129,7 +1157,7 @@ class _Planner:
                 self.step(ctx, instr, "linalg", rng, compute / stages,
                           cyc.exchange_cycles(t, stage_bytes, stage_bytes), flops / stages, k,
                           repeat=stages, recv=stage_bytes, src_bytes_per_tile=stage_bytes,
-                          codelet=instr.opcode),
+                          codelet=codelet),
             ]
         parts = []
         for shape in _leaf_shapes(instr.shape):
