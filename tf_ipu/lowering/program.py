@@ -59,6 +59,9 @@ class LoweredProgram:
     updates: list[tuple[int, tf.Variable]] = field(default_factory=list)  # (output, variable)
     module: ir_pb2.Module | None = None
     captured_kinds: list[str] = field(default_factory=list)  # "var"/"const", capture order
+    # TF's dtype of each result where XLA's differs (a complex eigh's eigenvalues are real
+    # in XLA, complex in TF's op): the results are cast back to what the function promised.
+    result_casts: dict[int, tf.DType] = field(default_factory=dict)
 
     @property
     def digest(self) -> str:
@@ -171,6 +174,10 @@ def lower_function(
         updates=updates,
         module=module,
         captured_kinds=[p["kind"] for p in params[len(arg_specs):]],
+        result_casts={
+            i: t.dtype for i, (t, (d, _)) in enumerate(zip(flat_results, out_shapes, strict=False))
+            if t.dtype != tf.as_dtype(wire_dtypes.to_numpy(d))
+        },
     )
 
 
@@ -228,5 +235,7 @@ def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
     )
     for index, var in lowered.updates:
         var.assign(outs[index])
-    results = outs[: lowered.num_results]
+    results = list(outs[: lowered.num_results])
+    for i, dtype in lowered.result_casts.items():
+        results[i] = tf.cast(results[i], dtype)
     return tf.nest.pack_sequence_as(lowered.result_structure, results)
