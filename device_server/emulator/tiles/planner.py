@@ -54,7 +54,8 @@ __all__ = ["Buf", "CompPlan", "ModulePlan", "OpRecord", "Step", "layer_name", "p
 LiveFn = Callable[[ir_pb2.Computation], list[ir_pb2.Instruction]]
 
 # Views: the result is (part of) the operand's buffer, no superstep.
-_SAME = frozenset({"reshape", "bitcast", "copy", "opt-barrier", "add-dependency"})
+_SAME = frozenset({"reshape", "bitcast", "copy", "opt-barrier", "add-dependency",
+                   "set-dimension-size", "dynamic-reshape"})
 _TINY = frozenset({"after-all", "partition-id", "replica-id", "get-dimension-size"})
 _MOVES = frozenset({"transpose", "slice", "concatenate", "pad", "reverse", "dynamic-slice",
                     "dynamic-update-slice", "gather", "scatter"})
