@@ -13,12 +13,14 @@ shape or an operand's, the compiler asks :func:`plan` for its kernel:
   ``dynamic-reshape``) keep their kernel;
 * every other opcode with a :class:`Rule` runs the kernel its factory plans for the run-time
   shapes, planned on first use of a shape and cached. Before the call, operand dimensions that
-  must agree (an element-wise op's operands, a dot's contracting dimensions, ...) are cut to the
-  smallest size among them (a static operand loses the elements past a dynamic one's size, as
-  XLA ignores them), and operand dimensions the op reads past the run-time size (a gather or a
-  dynamic-slice clamps its start against the bound) are padded with zeros to the bound. The
-  rule also gives the result's run-time shape; a static result dimension that comes out smaller
-  is padded with zeros to its size, a dynamic one that comes out of the padded region is cut;
+  must agree (an element-wise op's operands, a dot's contracting dimensions, ...) are brought
+  to the largest run-time size among the dynamic ones, as XLA's dynamic padder does: a static
+  operand loses the elements past it, a shorter dynamic operand is padded with zeros (XLA
+  reads its padding there). Operand dimensions the op reads past the run-time size (a gather
+  or a dynamic-slice clamps its start against the bound) are padded with zeros to the bound.
+  The rule also gives the result's run-time shape; a static result dimension that comes out
+  smaller is padded with zeros to its size, a dynamic one that comes out of the padded region
+  is cut;
 * opcodes without a rule, or attributes a rule cannot follow (a convolution over a dynamic
   spatial dimension), raise :class:`UnsupportedOpError` naming the instruction.
 
@@ -111,12 +113,13 @@ class Rule:
     """How an opcode's kernel follows run-time sizes.
 
     ``out``: operand shapes -> the result's leaf shapes (what the op gives for operands of
-    those shapes); ``agree``: groups of (operand, dimension) cut to the group's smallest size;
+    those shapes); ``agree``: groups of (operand, dimension, dynamic) brought to the largest
+    size among the group's dynamic dimensions;
     ``whole``: (operand, dimension) padded with zeros to the bound before the kernel runs;
     ``attrs``: operand shapes -> attribute values the kernel must be planned with."""
 
     out: Callable[[Sequence[Shape]], list[Shape]]
-    agree: tuple[tuple[tuple[int, int], ...], ...] = ()
+    agree: tuple[tuple[tuple[int, int, bool], ...], ...] = ()
     whole: tuple[tuple[int, int], ...] = ()
     attrs: Callable[[Sequence[Shape]], dict[str, tuple[int, ...]]] | None = None
 
@@ -133,13 +136,14 @@ def _int(ctx: KernelContext, name: str, default: int = 0) -> int:
     return int(ctx.attr(name, default))
 
 
-def _groups(ctx: KernelContext, groups: Sequence[Sequence[tuple[int, int]]]) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The groups that may disagree at run time: two members or more, one of them dynamic."""
+def _groups(ctx: KernelContext, groups: Sequence[Sequence[tuple[int, int]]]) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    """The groups that may disagree at run time (two members or more, one of them dynamic),
+    each member marked dynamic or not."""
     out = []
     for g in groups:
-        g = tuple(g)
-        if len(g) > 1 and any(ctx.operand_dynamic[k][d] for k, d in g):
-            out.append(g)
+        members = tuple((k, d, ctx.operand_dynamic[k][d]) for k, d in g)
+        if len(members) > 1 and any(dy for _, _, dy in members):
+            out.append(members)
     return tuple(out)
 
 
@@ -444,15 +448,15 @@ _RULES: dict[str, Callable[[KernelContext], Rule]] = {
 # ---------------------------------------------------------------------------------- planning
 
 
-def _agree(ops: Sequence[Any], groups: tuple[tuple[tuple[int, int], ...], ...]) -> list[Any]:
+def _agree(ops: Sequence[Any], groups: tuple[tuple[tuple[int, int, bool], ...], ...]) -> list[Any]:
     ops = list(ops)
     for group in groups:
-        sizes = [ops[k].shape[d] for k, d in group]
-        n = min(sizes)
-        if max(sizes) != n:
-            for k, d in group:
-                if ops[k].shape[d] != n:
-                    ops[k] = ops[k][(slice(None),) * d + (slice(0, n),)]
+        n = max(ops[k].shape[d] for k, d, dy in group if dy)
+        for k, d, _ in group:
+            if ops[k].shape[d] != n:
+                shape = list(ops[k].shape)
+                shape[d] = n
+                ops[k] = resize(ops[k], tuple(shape))
     return ops
 
 
