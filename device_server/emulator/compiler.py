@@ -21,7 +21,11 @@ Planning happens once, in :func:`compile_module`:
   values are its locals, constants its globals, big values are deleted after their last use;
   a failing step is found from the traceback's line number, so the hot path keeps no counter;
 * called computations (``while``, ``call``, ``conditional``, reducers, comparators, ...) are
-  compiled the same way, once each, and handed to kernels as plain functions.
+  compiled the same way, once each, and handed to kernels as plain functions;
+* an instruction with a dynamic dimension (bounded dynamic shapes) gets its kernel from
+  ``dynamic.plan``: values are arrays of their run-time shape, and the opcode's kernel is
+  planned per run-time shape. Forwarding, reshape chains, lazy broadcasts and buffer reuse
+  leave such instructions alone (their sizes are not known at compile time).
 
 At run time a program's function binds the arguments to locals and runs its steps: no shared
 mutable state (the globals are read-only constants and kernels), so one :class:`Executable`
