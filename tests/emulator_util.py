@@ -136,8 +136,9 @@ def assert_same(
     atol: float = 0.0,
     what: str = "",
 ) -> None:
-    """Compares output lists: same count, dtypes and shapes; floats within ``rtol``/``atol``
-    (NaN equals NaN, infinities must match), everything else exactly."""
+    """Compares output lists: same count, dtypes and shapes (for outputs with dynamic
+    dimensions, the run-time shapes); floats within ``rtol``/``atol`` (NaN equals NaN,
+    infinities must match), everything else exactly."""
     assert len(actual) == len(expected), f"{what}: {len(actual)} outputs, expected {len(expected)}"
     for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
         a = np.asarray(a)
@@ -181,6 +182,15 @@ class Differential:
     def check(self, *args: Any, rtol: float = 1e-5, atol: float = 0.0) -> None:
         got, expected = self.run(*args)
         assert_same(got, expected, rtol=rtol, atol=atol, what=self.module.name)
+
+
+def dynamic_opcodes(module: ir_pb2.Module) -> set[str]:
+    """Opcodes of the instructions whose result has a dynamic dimension (bounded dynamic
+    shapes; outputs of such functions come back at their run-time shape)."""
+    def dynamic(shape: ir_pb2.Shape) -> bool:
+        return any(dynamic(s) for s in shape.tuple_shapes) if shape.is_tuple else any(shape.dynamic_dims)
+
+    return {i.opcode for c in module.computations for i in c.instructions if dynamic(i.shape)}
 
 
 def check(fn: Callable[..., Any], *args: Any, rtol: float = 1e-5, atol: float = 0.0) -> ir_pb2.Module:
@@ -287,6 +297,17 @@ class IRBuilder:
 
     def shape(self, instr_id: int) -> ir_pb2.Shape:
         return next(i.shape for i in self._comp.instructions if i.id == instr_id)
+
+    def dynamic(self, instr_id: int, *dims: int) -> int:
+        """Marks dimensions of an instruction's (array) shape dynamic: their sizes become
+        bounds. Returns the instruction id."""
+        shape = self.shape(instr_id)
+        flags = [False] * len(shape.dims)
+        for d in dims:
+            flags[d] = True
+        del shape.dynamic_dims[:]
+        shape.dynamic_dims.extend(flags)
+        return instr_id
 
     def computation(self, other: IRBuilder) -> int:
         """Adds ``other``'s computation (with a root set) to this module; returns its id."""

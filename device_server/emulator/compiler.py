@@ -21,7 +21,11 @@ Planning happens once, in :func:`compile_module`:
   values are its locals, constants its globals, big values are deleted after their last use;
   a failing step is found from the traceback's line number, so the hot path keeps no counter;
 * called computations (``while``, ``call``, ``conditional``, reducers, comparators, ...) are
-  compiled the same way, once each, and handed to kernels as plain functions.
+  compiled the same way, once each, and handed to kernels as plain functions;
+* an instruction with a dynamic dimension (bounded dynamic shapes) gets its kernel from
+  ``dynamic.plan``: values are arrays of their run-time shape, and the opcode's kernel is
+  planned per run-time shape. Forwarding, reshape chains, lazy broadcasts and buffer reuse
+  leave such instructions alone (their sizes are not known at compile time).
 
 At run time a program's function binds the arguments to locals and runs its steps: no shared
 mutable state (the globals are read-only constants and kernels), so one :class:`Executable`
@@ -42,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import errors, fusion, kernels, numerics
+from device_server.emulator import dynamic, errors, fusion, kernels, numerics
 from device_server.emulator.arch import Target
 from device_server.emulator.errors import (
     EmulatorError,
@@ -62,13 +66,14 @@ _FIXED_ARITY = {
          "round-nearest-afz", "round-nearest-even", "sign", "is-finite", "not", "popcnt",
          "count-leading-zeros", "erf", "real", "imag", "convert", "bitcast-convert",
          "reduce-precision", "copy", "reshape", "bitcast", "broadcast", "transpose", "slice",
-         "reverse", "get-tuple-element"),
+         "reverse", "get-tuple-element", "get-dimension-size"),
         1,
     ),
     **dict.fromkeys(
         ("add", "subtract", "multiply", "divide", "remainder", "power", "maximum", "minimum",
          "atan2", "and", "or", "xor", "shift-left", "shift-right-logical",
-         "shift-right-arithmetic", "compare", "complex", "dot", "pad", "convolution"),
+         "shift-right-arithmetic", "compare", "complex", "dot", "pad", "convolution",
+         "set-dimension-size"),
         2,
     ),
     **dict.fromkeys(("select", "clamp"), 3),
@@ -208,6 +213,14 @@ def _leaves(shape: ir_pb2.Shape) -> list[ir_pb2.Shape]:
     if shape.is_tuple:
         return [leaf for s in shape.tuple_shapes for leaf in _leaves(s)]
     return [shape]
+
+
+def _fits(shape: tuple[int, ...], bounds: tuple[int, ...], flags: tuple[bool, ...]) -> bool:
+    """Whether an array of ``shape`` is a value of a shape with these bounds and dynamic
+    dimensions (a dynamic dimension's size is at most its bound, a static one's is equal)."""
+    return len(shape) == len(bounds) and all(
+        n == b or (dy and n <= b) for n, b, dy in zip(shape, bounds, flags, strict=True)
+    )
 
 
 def literal_to_value(lit: ir_pb2.Literal, what: str = "literal") -> Any:
@@ -436,6 +449,10 @@ class _Context:
         self.operand_ir_shapes = [op.shape for op in operands]
         self.operand_instrs = operands
         self.numerics = compiler.numerics
+        self.out_dynamic = dynamic.dynamic_flags(instr.shape)
+        self.operand_dynamic = [dynamic.dynamic_flags(op.shape) for op in operands]
+        # Whether a dimension of the result or of an operand is dynamic (see dynamic.py).
+        self.dynamic = dynamic.has_dynamic(instr.shape) or any(dynamic.has_dynamic(op.shape) for op in operands)
 
     def error(self, message: str) -> InvalidProgramError:
         """An :class:`InvalidProgramError` naming this instruction."""
@@ -555,7 +572,9 @@ class _Compiler:
             if cid in seen:
                 continue
             seen.add(cid)
-            for instr in self.live_instructions(self.computation_ir(cid)):
+            live = self.live_instructions(self.computation_ir(cid))
+            shapes = {i.id: i.shape for i in live}
+            for instr in live:
                 op = instr.opcode
                 if op in ALWAYS_REFUSED:
                     why = "never runs on the device"
@@ -565,6 +584,11 @@ class _Compiler:
                     why = "has no emulator kernel"
                 elif op == "custom-call" and not kernels.custom_call_supported(instr):
                     why = f"target '{kernels.custom_call_target(instr)}' has no emulator kernel"
+                elif not dynamic.handles(op) and (
+                    dynamic.has_dynamic(instr.shape)
+                    or any(dynamic.has_dynamic(shapes[o]) for o in instr.operands)
+                ):
+                    why = "has no emulator kernel for dynamic dimensions"
                 else:
                     stack.extend(instr.called_computations)
                     continue
@@ -605,8 +629,8 @@ class _Compiler:
             template.append(value)
             is_const.append(const)
             slot = len(template) - 1
-            if shape is not None:
-                slot_dims[slot] = _shape_of(shape)[1] if not shape.is_tuple else None
+            if shape is not None:  # None: a tuple, or run-time sizes (never fused)
+                slot_dims[slot] = None if shape.is_tuple or dynamic.has_dynamic(shape) else _shape_of(shape)[1]
             else:
                 slot_dims[slot] = None if isinstance(value, tuple) else tuple(np.shape(value))
             return slot
@@ -622,6 +646,7 @@ class _Compiler:
                 )
             in_slots = tuple(slot_of[o] for o in instr.operands)
             fold_fn = None
+            dyn = dynamic.has_dynamic(instr.shape) or any(dynamic.has_dynamic(o.shape) for o in operands)
             if op == "parameter":
                 n = instr.parameter_number
                 if n in params:
@@ -647,7 +672,7 @@ class _Compiler:
                         raise InvalidProgramError(f"{describe(instr)}: tuple index {idx} out of range.")
                     slot_of[instr.id] = slot_of[src[idx]]
                     continue
-            if op in ("reshape", "bitcast") and op != fault and not instr.shape.is_tuple \
+            if op in ("reshape", "bitcast") and op != fault and not instr.shape.is_tuple and not dyn \
                     and operands[0].id in reshaped and operands[0].shape.dtype == instr.shape.dtype:
                 # A reshape of a reshape: one reshape of the first one's operand (or nothing).
                 src_slot, src_dims = reshaped[operands[0].id]
@@ -668,12 +693,12 @@ class _Compiler:
                 fn = _reshaper(expanded)
             else:
                 if op in ("reshape", "bitcast") and op != fault and not instr.shape.is_tuple \
-                        and not operands[0].shape.is_tuple \
+                        and not operands[0].shape.is_tuple and not dyn \
                         and operands[0].shape.dtype == instr.shape.dtype:
                     reshaped[instr.id] = (in_slots[0], tuple(int(d) for d in operands[0].shape.dims))
                 ctx = _Context(self, instr, operands)
                 try:
-                    fn = kernels.REGISTRY[op](ctx)
+                    fn = self._kernel(ctx)
                 except EmulatorError:
                     raise
                 except Exception as e:
@@ -784,6 +809,24 @@ class _Compiler:
             out.append((_Step(fn, g.inputs, st.out), instr))
         return out
 
+    def _kernel(self, ctx: _Context) -> Callable[[Sequence[Any]], Any]:
+        """The kernel of ``ctx.instr`` from its factory; with dynamic dimensions, one that
+        follows run-time sizes (``dynamic.plan``)."""
+        factory = kernels.REGISTRY[ctx.instr.opcode]
+        if not ctx.dynamic:
+            return factory(ctx)
+
+        def specialize(shapes: Sequence[tuple[int, ...]], outs: Sequence[tuple[int, ...]],
+                       attrs: dict[str, tuple[int, ...]]) -> Callable[[Sequence[Any]], Any]:
+            instr = _with_dims(ctx.instr, outs)
+            for name, values in attrs.items():
+                del instr.attrs[name].ints.values[:]
+                instr.attrs[name].ints.values.extend(values)
+            ops = [_with_dims(o, [s]) for o, s in zip(ctx.operand_instrs, shapes, strict=True)]
+            return factory(_Context(self, instr, ops))
+
+        return dynamic.plan(ctx, factory, specialize)
+
     def _f32_kernel(self, instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) -> Callable[[Sequence[Any]], Any]:
         """The kernel of ``instr`` with every FP16 operand and result made FP32 (stochastic
         rounding computes FP16 arithmetic in FP32, then rounds)."""
@@ -794,8 +837,7 @@ class _Compiler:
                 w.shape.dtype = ir_pb2.F32
             return w
 
-        ctx = _Context(self, widened(instr), [widened(o) for o in operands])
-        return kernels.REGISTRY[instr.opcode](ctx)
+        return self._kernel(_Context(self, widened(instr), [widened(o) for o in operands]))
 
     @staticmethod
     def _check_shape(instr: ir_pb2.Instruction, value: Any) -> None:
@@ -803,7 +845,7 @@ class _Compiler:
         if dt is None:
             return
         a = np.asarray(value)
-        if a.dtype != dt or a.shape != shape:
+        if a.dtype != dt or (a.shape != shape and not _fits(a.shape, shape, dynamic.dynamic_flags(instr.shape))):
             raise InvalidProgramError(
                 f"{describe(instr)}: produced {a.dtype}{list(a.shape)}, its shape says "
                 f"{dt}{list(shape)}."
@@ -828,6 +870,17 @@ def _static_nbytes(shape: ir_pb2.Shape) -> int:
     return math.prod(shape.dims) * dtypes.to_numpy(shape.dtype).itemsize
 
 
+def _with_dims(instr: ir_pb2.Instruction, leaf_dims: Sequence[tuple[int, ...]]) -> ir_pb2.Instruction:
+    """A copy of ``instr`` whose shape's leaves have these (static) dimensions."""
+    out = ir_pb2.Instruction()
+    out.CopyFrom(instr)
+    for leaf, dims in zip(_leaves(out.shape), leaf_dims, strict=True):
+        del leaf.dims[:]
+        leaf.dims.extend(dims)
+        del leaf.dynamic_dims[:]
+    return out
+
+
 def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) -> bool:
     """Whether ``instr`` returns its only operand unchanged (same shape and type)."""
     if len(operands) != 1 or instr.shape.is_tuple or operands[0].shape.is_tuple:
@@ -835,6 +888,8 @@ def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) 
     src = operands[0].shape
     if src.dtype != instr.shape.dtype or tuple(src.dims) != tuple(instr.shape.dims):
         return False
+    if dynamic.dynamic_flags(src) != dynamic.dynamic_flags(instr.shape):
+        return False  # a run-time size becomes a bound, or the other way round
     op = instr.opcode
     if op in ("reshape", "bitcast", "convert", "concatenate"):
         return True
@@ -872,6 +927,11 @@ def _lazy_broadcasts(
             continue
         if instr.shape.is_tuple or len(instr.operands) != 1:
             continue
+        if dynamic.has_dynamic(instr.shape) or any(
+            dynamic.has_dynamic(u.shape) or any(dynamic.has_dynamic(by_id[o].shape) for o in u.operands)
+            for u in users.get(instr.id, [])
+        ):
+            continue  # users with run-time sizes get whole operands (see dynamic.py)
         dims = tuple(int(d) for d in instr.attrs["dimensions"].ints.values) \
             if "dimensions" in instr.attrs else ()
         src = by_id[instr.operands[0]].shape
@@ -947,17 +1007,20 @@ def _is_view(value: Any) -> bool:
 # -------------------------------------------------------------------------- the executable
 
 
-def _spelling(dtype: np.dtype, shape: tuple[int, ...]) -> str:
-    return f"{dtype}[{','.join(str(d) for d in shape)}]"
+def _spelling(dtype: np.dtype, shape: tuple[int, ...], flags: Sequence[bool] = ()) -> str:
+    """``float32[2,3]``; a dynamic dimension is spelled by its bound, ``float32[<=8,3]``."""
+    dyn = tuple(flags) + (False,) * (len(shape) - len(flags))
+    return f"{dtype}[{','.join(('<=' if dy else '') + str(d) for d, dy in zip(shape, dyn, strict=True))}]"
 
 
 class Executable:
     """A compiled module for one target.
 
     ``parameters``/``outputs``: ``(dtype, shape)`` of each entry parameter and of each leaf
-    of the flattened entry result; ``aliases``: output index -> parameter number (the output
-    is the parameter's new value); ``estimate``: the cost/memory estimate. ``run`` is
-    thread-safe.
+    of the flattened entry result; ``parameter_dynamic``/``output_dynamic``: which of their
+    dimensions are dynamic (``shape`` then holds the bound; such an argument or output may be
+    smaller there); ``aliases``: output index -> parameter number (the output is the
+    parameter's new value); ``estimate``: the cost/memory estimate. ``run`` is thread-safe.
     """
 
     def __init__(
@@ -973,6 +1036,8 @@ class Executable:
         aliases: dict[int, int],
         estimate: Estimate,
         instruction_count: int,
+        parameter_dynamic: list[tuple[bool, ...]] | None = None,
+        output_dynamic: list[tuple[bool, ...]] | None = None,
     ) -> None:
         self.name = module.name
         self.target = target
@@ -981,6 +1046,8 @@ class Executable:
         self.outputs = outputs
         self.aliases = aliases
         self.estimate = estimate
+        self.parameter_dynamic = parameter_dynamic or [(False,) * len(s) for _, s in parameters]
+        self.output_dynamic = output_dynamic or [(False,) * len(s) for _, s in outputs]
         self.instruction_count = instruction_count  # live instructions over all computations
         self._program = program
         # Stochastic rounding: each run draws from its own stream (numerics.py).
@@ -1002,10 +1069,10 @@ class Executable:
         for n, (a, (dt, shape)) in enumerate(zip(args, self.parameters, strict=True)):
             if not isinstance(a, np.ndarray):
                 a = np.asarray(a)
-            if a.dtype != dt or a.shape != shape:
+            if a.dtype != dt or (a.shape != shape and not _fits(a.shape, shape, self.parameter_dynamic[n])):
                 raise ExecutionError(
                     f"'{self.name}': parameter {n} ('{self._param_names[n]}') expects "
-                    f"{_spelling(dt, shape)}, received {_spelling(a.dtype, a.shape)}."
+                    f"{_spelling(dt, shape, self.parameter_dynamic[n])}, received {_spelling(a.dtype, a.shape)}."
                 )
             out.append(a)
         return out
@@ -1022,10 +1089,10 @@ class Executable:
         outs = []
         for k, (value, (dt, shape)) in enumerate(zip(flat, self.outputs, strict=True)):
             a = np.asarray(value)
-            if a.dtype != dt or a.shape != shape:
+            if a.dtype != dt or (a.shape != shape and not _fits(a.shape, shape, self.output_dynamic[k])):
                 raise ExecutionError(
                     f"'{self.name}': output {k} came out as {_spelling(a.dtype, a.shape)}, "
-                    f"expected {_spelling(dt, shape)} (emulator kernel bug)."
+                    f"expected {_spelling(dt, shape, self.output_dynamic[k])} (emulator kernel bug)."
                 )
             if not (a.flags.c_contiguous and a.flags.writeable):
                 a = a.copy()
@@ -1080,12 +1147,13 @@ def compile_module(
         if dt is None:
             raise InvalidProgramError(f"module '{module.name}': token outputs are not supported.")
         outputs.append((dt, shape))
+    output_dynamic = [dynamic.dynamic_flags(leaf) for leaf in _leaves(root.shape)]
     aliases: dict[int, int] = {}
     for a in module.aliases:
         o, p = int(a.output_index), int(a.parameter_number)
         if not 0 <= o < len(outputs) or not 0 <= p < len(parameters):
             raise InvalidProgramError(f"module '{module.name}': alias output {o} -> parameter {p} is out of range.")
-        if outputs[o] != parameters[p]:
+        if outputs[o] != parameters[p] or output_dynamic[o] != dynamic.dynamic_flags(param_instrs[p].shape):
             raise InvalidProgramError(
                 f"module '{module.name}': output {o} ({_spelling(*outputs[o])}) cannot replace "
                 f"parameter {p} ({_spelling(*parameters[p])})."
@@ -1099,6 +1167,7 @@ def compile_module(
     return Executable(
         module, target, options, program, parameters, [p.name for p in param_instrs], outputs,
         root.shape.is_tuple, aliases, est, count,
+        [dynamic.dynamic_flags(p.shape) for p in param_instrs], output_dynamic,
     )
 
 

@@ -42,6 +42,11 @@ class KernelContext(Protocol):
     out_shape: tuple[int, ...]          # () for tuple-shaped results
     operand_dtypes: list[np.dtype | None]
     operand_shapes: list[tuple[int, ...]]
+    # Which dimensions are dynamic (the shapes above then hold bounds; see emulator/dynamic.py).
+    # Only the factories of dynamic.PASS_THROUGH opcodes need to look: the others are planned
+    # once for the bounds and again, by the compiler, for each run-time shape.
+    out_dynamic: tuple[bool, ...]       # () for tuple-shaped results
+    operand_dynamic: list[tuple[bool, ...]]
     numerics: Any                       # emulator.numerics.Numerics: partials, rounding
 
     def attr(self, name: str, default: Any = ...) -> Any:

@@ -1,6 +1,11 @@
 """Kernels for values and control flow: parameter, constant, tuple, get-tuple-element, call,
 while, conditional, opt-barrier, after-all, add-dependency, get-dimension-size,
-replica-id, partition-id.
+set-dimension-size, replica-id, partition-id.
+
+A value with dynamic dimensions is an array of its run-time shape (``emulator/dynamic.py``):
+``get-dimension-size`` reads a dynamic dimension's size from the array, ``set-dimension-size``
+cuts the array to the new size or pads it with zeros (elements past a size are padding, whose
+content XLA leaves unspecified).
 
 ``parameter`` and ``constant`` are placed in slots by the compiler itself; their factories
 exist so the registry lists them, and run only when fault injection targets them.
@@ -54,25 +59,50 @@ def _after_all(ctx: KernelContext) -> KernelFn:
 
 @register("get-dimension-size")
 def _get_dimension_size(ctx: KernelContext) -> KernelFn:
-    size = np.asarray(ctx.operand_shapes[0][ctx.attr("dimension")], dtype=ctx.out_dtype)
+    """The size of a dimension: its bound if static, the array's size if dynamic."""
+    dim = int(ctx.attr("dimension"))
+    if not 0 <= dim < len(ctx.operand_shapes[0]):
+        raise ValueError(f"dimension {dim} out of range for {list(ctx.operand_shapes[0])}")
+    if ctx.operand_dynamic[0][dim]:
+        make = np.dtype(ctx.out_dtype).type
+        return lambda ops: make(np.shape(ops[0])[dim])
+    size = np.asarray(ctx.operand_shapes[0][dim], dtype=ctx.out_dtype)
     size.flags.writeable = False
     return lambda ops: size
 
 
 @register("set-dimension-size")
 def _set_dimension_size(ctx: KernelContext) -> KernelFn:
-    """Static shapes only: the new size must equal the bound, then the data is unchanged."""
-    dim = ctx.attr("dimension")
-    bound = ctx.operand_shapes[0][dim]
+    """Operand 0 with dimension ``dimension`` of size ``operand 1``: cut to it, or padded with
+    zeros up to it. A negative size means 0 (TF computes ``x[1:]`` of an empty ``x`` as size -1;
+    XLA on CPU crashes there); a size past the bound is an error, and a dimension the result's
+    shape keeps static may only be set to its bound."""
+    dim = int(ctx.attr("dimension"))
+    bound = ctx.out_shape[dim] if 0 <= dim < len(ctx.out_shape) else -1
+    if bound < 0 or tuple(ctx.operand_shapes[0]) != tuple(ctx.out_shape):
+        raise ValueError(f"dimension {dim} of {list(ctx.operand_shapes[0])} does not give {list(ctx.out_shape)}")
+    dynamic = ctx.out_dynamic[dim]
+    keep = (slice(None),) * dim
 
     def run(ops: Sequence[Any]) -> Any:
-        size = int(ops[1])
-        if size != bound:
+        size = max(int(ops[1]), 0)
+        if not dynamic and size != bound:
             raise ValueError(
-                f"dimension {dim} set to {size} of its bound {bound}: dynamic shapes are not "
-                f"supported by the emulator"
+                f"dimension {dim} set to {size}, but the result's shape has it static with size "
+                f"{bound} (only dimensions marked dynamic take other sizes: dynamic shapes, "
+                f"docs/ir.md)"
             )
-        return ops[0]
+        if size > bound:
+            raise ValueError(f"dimension {dim} set to {size}, more than its bound {bound}")
+        a = np.asarray(ops[0])
+        n = a.shape[dim]
+        if size == n:
+            return ops[0]
+        if size < n:
+            return a[keep + (slice(0, size),)]
+        out = np.zeros(a.shape[:dim] + (size,) + a.shape[dim + 1:], a.dtype)
+        out[keep + (slice(0, n),)] = a
+        return out
 
     return run
 

@@ -1,5 +1,5 @@
-"""Data-movement kernels: copy, broadcast, reshape, bitcast, transpose, slice, concatenate,
-reverse, pad and iota.
+"""Data-movement kernels: copy, broadcast, reshape, bitcast, dynamic-reshape, transpose, slice,
+concatenate, reverse, pad and iota.
 
 Results may be read-only numpy views of their operands (broadcast, transpose, slice, reverse):
 values are immutable in the emulator, so nothing is copied until an op needs new data.
@@ -68,6 +68,30 @@ def _reshape(ctx: KernelContext) -> KernelFn:
     if int(np.prod(shape, dtype=np.int64)) != int(np.prod(ctx.operand_shapes[0], dtype=np.int64)):
         raise ValueError(f"cannot reshape {list(ctx.operand_shapes[0])} to {list(shape)}")
     return reshape_kernel(shape)
+
+
+@register("dynamic-reshape")
+def _dynamic_reshape(ctx: KernelContext) -> KernelFn:
+    """Operand 0's elements (row-major, at its run-time shape) reshaped to the sizes given by
+    the scalar operands 1..rank; a static dimension's size must be its bound, a dynamic one's
+    at most its bound."""
+    bounds = tuple(ctx.out_shape)
+    dynamic = ctx.out_dynamic
+    if len(ctx.operand_shapes) != len(bounds) + 1 or any(s != () for s in ctx.operand_shapes[1:]):
+        raise ValueError(f"expected an operand and {len(bounds)} scalar sizes, got operands of shapes "
+                         f"{[list(s) for s in ctx.operand_shapes]}")
+
+    def run(ops: Sequence[Any]) -> np.ndarray:
+        sizes = tuple(int(v) for v in ops[1:])
+        for d, (n, b, dy) in enumerate(zip(sizes, bounds, dynamic, strict=True)):
+            if not (0 <= n <= b if dy else n == b):
+                raise ValueError(f"size {n} of dimension {d} does not fit {'the bound' if dy else 'the static size'} {b}")
+        a = np.asarray(ops[0])
+        if a.size != int(np.prod(sizes, dtype=np.int64)):
+            raise ValueError(f"cannot reshape {list(a.shape)} ({a.size} elements) to {list(sizes)}")
+        return a.reshape(sizes)
+
+    return run
 
 
 def reshape_kernel(shape: tuple[int, ...]) -> KernelFn:

@@ -17,9 +17,10 @@ How each kind of instruction is planned:
   tiles owning the result (in two stages when many tiles contribute to each result).
 * **transpose, slice, concatenate, pad, reverse, gather, scatter, dynamic-(update-)slice** move
   data: the result is laid out linearly and every tile receives its part in an exchange.
-  ``reshape``, ``bitcast``, ``copy`` and ``broadcast`` are views (no superstep; a consumer of a
-  broadcast receives the broadcast elements it needs). Scalars and small constants are
-  replicated on every tile that uses them.
+  ``reshape``, ``bitcast``, ``dynamic-reshape``, ``set-dimension-size``, ``copy`` and
+  ``broadcast`` are views (no superstep; a consumer of a broadcast receives the broadcast
+  elements it needs). Scalars and small constants are replicated on every tile that uses
+  them. A dynamic dimension is planned at its bound (what Poplar allocates).
 * **reduce-window / select-and-scatter** (pooling and its gradient): the window's input is
   exchanged in, then vector work per output (or input) element times the window.
 * **sort** keeps each row (the elements along the sorted dimension) on one tile.
@@ -62,7 +63,8 @@ __all__ = ["Buf", "CompPlan", "ModulePlan", "OpRecord", "Step", "layer_name", "p
 LiveFn = Callable[[ir_pb2.Computation], list[ir_pb2.Instruction]]
 
 # Views: the result is (part of) the operand's buffer, no superstep.
-_SAME = frozenset({"reshape", "bitcast", "copy", "opt-barrier", "add-dependency"})
+_SAME = frozenset({"reshape", "bitcast", "copy", "opt-barrier", "add-dependency",
+                   "set-dimension-size", "dynamic-reshape"})
 _TINY = frozenset({"after-all", "partition-id", "replica-id", "get-dimension-size"})
 _MOVES = frozenset({"transpose", "slice", "concatenate", "pad", "reverse", "dynamic-slice",
                     "dynamic-update-slice", "gather", "scatter"})
