@@ -88,17 +88,20 @@ Factory = Callable[[KernelContext], KernelFn]
 REGISTRY: dict[str, Factory] = {}
 
 
-def register(*opcodes: str) -> Callable[[Factory], Factory]:
-    """Registers a kernel factory for one or more opcodes."""
-
+def _registrar(table: dict[str, Factory], what: str, keys: Sequence[str]) -> Callable[[Factory], Factory]:
     def deco(factory: Factory) -> Factory:
-        for op in opcodes:
-            if op in REGISTRY:
-                raise RuntimeError(f"opcode {op!r} registered twice")
-            REGISTRY[op] = factory
+        for key in keys:
+            if key in table:
+                raise RuntimeError(f"{what} {key!r} registered twice")
+            table[key] = factory
         return factory
 
     return deco
+
+
+def register(*opcodes: str) -> Callable[[Factory], Factory]:
+    """Registers a kernel factory for one or more opcodes."""
+    return _registrar(REGISTRY, "opcode", opcodes)
 
 
 # ------------------------------------------------------------------------------ custom-call
@@ -111,15 +114,7 @@ def register_custom_call(*targets: str) -> Callable[[Factory], Factory]:
     """Registers a kernel factory for one or more ``custom-call`` targets (exact strings, as
     XLA spells them, e.g. ``"Qr"``). The factory gets the ``custom-call`` instruction's
     context, like any opcode's factory."""
-
-    def deco(factory: Factory) -> Factory:
-        for target in targets:
-            if target in CUSTOM_CALLS:
-                raise RuntimeError(f"custom-call target {target!r} registered twice")
-            CUSTOM_CALLS[target] = factory
-        return factory
-
-    return deco
+    return _registrar(CUSTOM_CALLS, "custom-call target", targets)
 
 
 def custom_call_target(instr: ir_pb2.Instruction) -> str:
