@@ -777,6 +777,8 @@ class DeviceService:
             for out_index, key in updates.items():
                 s.variables[key] = outputs[out_index]
 
+            # Each output at its run-time shape: an output with dynamic dimensions may be
+            # smaller than its bound there (the message-size check above counted the bounds).
             reply = device_pb2.ExecuteReply(device_seconds=seconds)
             for i, out in enumerate(outputs):
                 _fill_tensor(reply.outputs.add(), out,

@@ -12,6 +12,10 @@ variable holds, so that:
   (first use, ``set_weights``, ``assign``, a learning-rate change, a reconnect);
 - every device call returns the new values of the variables it updated, which the traced
   function assigns to the host variables, so host reads always see the last device call.
+- an output whose size depends on the data (a bounded dynamic shape, e.g. ``tf.boolean_mask``)
+  comes back from the server at its run-time size; the kernel's buffer for it is at the
+  bound, so the value fills its leading corner (zeros the rest) and its run-time dims go to
+  an extra int32 output the traced function slices by (``tf_ipu.lowering.program``).
 
 The host's copies are the truth, which makes the connection disposable. When a call finds
 the server gone (UNAVAILABLE: it died, is restarting, or is shutting down) the error reaches
@@ -70,6 +74,9 @@ class ProgramEntry:
     estimate: Any = None
     cache_hit: bool = False
     reported_for: tuple | None = None    # the configuration its last report was made for
+    # Outputs of data-dependent size (the signature's "dynamic_outputs"): output index ->
+    # which dims are dynamic, in the order of the kernel's extra dims outputs.
+    dynamic_outputs: dict[int, tuple[bool, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -293,6 +300,10 @@ class DeviceRuntime:
                 program=program,
                 name=str(sig.get("name", "program")),
                 params=list(sig["params"]),
+                dynamic_outputs={
+                    int(d["output"]): tuple(bool(f) for f in d["dynamic"])
+                    for d in sig.get("dynamic_outputs", ())
+                },
             )
             self._programs.append(entry)
             pid = len(self._programs) - 1
@@ -355,7 +366,13 @@ class DeviceRuntime:
         )
 
     def execute(self, pid: int, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        """Runs program ``pid``: uploads changed variables, executes, fills ``outputs``."""
+        """Runs program ``pid``: uploads changed variables, executes, fills ``outputs``.
+
+        ``outputs`` are the kernel's buffers: one per program output, at its static shape
+        (a dynamic output's at its bound), then one int32[rank] per dynamic output for its
+        run-time dims (see tf_ipu.lowering.program). A dynamic output's value goes into the
+        leading corner of its buffer, zeros fill the rest.
+        """
         with self._lock:
             entry = self._programs[pid]
             if len(inputs) != len(entry.params):
@@ -365,14 +382,26 @@ class DeviceRuntime:
                 )
             results = self._on_device(lambda: self._run(entry, inputs))
             self.device_calls += 1
-            if len(results) != len(outputs):
+            n_dims = len(entry.dynamic_outputs)
+            if len(results) + n_dims != len(outputs):
                 raise errors.DeviceError(
                     "INTERNAL",
                     f"{entry.name}: the device returned {len(results)} outputs, "
-                    f"the kernel expects {len(outputs)}.",
+                    f"the kernel expects {len(outputs) - n_dims}.",
                 )
-            for out, res in zip(outputs, results, strict=True):
-                out[...] = res
+            for k, (out, res) in enumerate(zip(outputs, results, strict=False)):
+                if res.shape == out.shape:
+                    out[...] = res
+                elif k in entry.dynamic_outputs:
+                    _fill_corner(out, res, entry.dynamic_outputs[k], f"{entry.name}: output {k}")
+                else:
+                    raise errors.DeviceError(
+                        "INTERNAL",
+                        f"{entry.name}: the device returned output {k} with shape "
+                        f"{list(res.shape)}, the kernel expects {list(out.shape)}.",
+                    )
+            for k, dims in zip(entry.dynamic_outputs, outputs[len(results):], strict=True):
+                dims[...] = results[k].shape
 
     def _run(self, entry: ProgramEntry, inputs: list[np.ndarray]) -> list[Any]:
         """One device call: compile if needed, upload the variables whose host value differs
@@ -406,6 +435,26 @@ class DeviceRuntime:
             if param["kind"] == "var":
                 self._synced[param["key"]] = results[out_index]
         return results
+
+
+def _fill_corner(out: np.ndarray, value: np.ndarray, dynamic: tuple[bool, ...], what: str) -> None:
+    """Writes ``value`` (a dynamic output at its run-time size) into the leading corner of
+    ``out`` (its buffer, at the bounds) and zeros elsewhere, after checking that each size is
+    within its bound (a dynamic dimension) or equal to it (a static one)."""
+    ok = value.ndim == out.ndim == len(dynamic) and all(
+        (0 <= v <= b) if dy else v == b
+        for v, b, dy in zip(value.shape, out.shape, dynamic, strict=True)
+    )
+    if not ok:
+        bound = ",".join(("<=" if dy else "") + str(b) for b, dy in zip(out.shape, dynamic, strict=False))
+        raise errors.DeviceError(
+            "INTERNAL",
+            f"{what}: the device returned shape {list(value.shape)}, outside the output's "
+            f"bounds [{bound}] (a dynamic dimension may be smaller than its bound, never "
+            f"larger).",
+        )
+    out[...] = 0
+    out[tuple(slice(0, v) for v in value.shape)] = value
 
 
 def _connection_lost(error: errors.DeviceError) -> bool:

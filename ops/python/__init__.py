@@ -15,7 +15,9 @@ calls ``handler.execute`` with zero-copy numpy views of its input and output buf
 
 Not ready yet: no gradient is registered (differentiating through `IpuExecute` raises
 `LookupError`: tf_ipu computes gradients on the device, inside the program); outputs must have
-fully defined shapes (no dynamic shapes cross the boundary).
+fully defined shapes (no dynamic shapes cross the boundary: tf_ipu returns a result of
+data-dependent size at its bound, with its run-time dims in an extra output, and slices it
+after the op; see tf_ipu.lowering.program).
 
 Example::
 

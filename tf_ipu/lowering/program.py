@@ -9,6 +9,22 @@
 
 Lowering needs static shapes, so it happens once per concrete input signature; callers
 cache the result.
+
+Results whose size depends on the data (``tf.boolean_mask``, ``tf.where(c)``, ``tf.unique``)
+have bounded dynamic dimensions in XLA (docs/ir.md): a static bound and a run-time size. The
+IpuExecute op allocates its outputs before the device runs, so such a result travels at its
+bound, with its run-time dims beside it::
+
+    IpuExecute outputs: [entry outputs, each at its static shape or bound] + [one int32[rank]
+                         per dynamic output: its run-time dims]
+    runtime:            writes a dynamic output's run-time value into the leading corner of
+                        its bound-sized buffer (zeros elsewhere), its dims into the extra one
+    call_lowered:       tf.slice(output, 0, dims) -> the result at its run-time size, with
+                        the static shape TF's own op gives (None where the size is dynamic)
+
+The signature lists them (``"dynamic_outputs": [{"output": k, "dynamic": [flags]}]``, in the
+order of the extra outputs; absent for static programs, which get no extra output). Variables
+keep static shapes: a function that assigns one a value of dynamic size is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +58,21 @@ def variable_key(var: tf.Variable) -> str:
     return key
 
 
+@dataclass(frozen=True)
+class DynamicOutput:
+    """An entry output with bounded dynamic dimensions (a result whose size depends on data).
+
+    ``index``: the entry output (one of the function's results); ``dynamic``: which of its
+    dimensions have a run-time size (``LoweredProgram.output_shapes[index]`` holds the
+    bounds); ``shape``: the static shape of the result as TF gives it (``None`` where the
+    size is dynamic).
+    """
+
+    index: int
+    dynamic: tuple[bool, ...]
+    shape: tf.TensorShape
+
+
 @dataclass
 class LoweredProgram:
     """A function lowered for one input signature, ready to be called on the device."""
@@ -62,6 +93,9 @@ class LoweredProgram:
     # TF's dtype of each result where XLA's differs (a complex eigh's eigenvalues are real
     # in XLA, complex in TF's op): the results are cast back to what the function promised.
     result_casts: dict[int, tf.DType] = field(default_factory=dict)
+    # Results of data-dependent size, in the order of the op's extra dims outputs (see the
+    # module docstring); empty for static programs.
+    dynamic_outputs: list[DynamicOutput] = field(default_factory=list)
 
     @property
     def digest(self) -> str:
@@ -139,6 +173,7 @@ def lower_function(
     _annotate_parameters(entry, params)
     root = next(i for i in entry.instructions if i.id == entry.root_id)
     out_shapes = _flat_shapes(root.shape)
+    out_dynamic = _flat_dynamic(root.shape)
     flat_results = _flatten_results(holder["structure"])
     num_results = len(flat_results)
 
@@ -156,10 +191,42 @@ def lower_function(
                 f"{name}: output {alias.output_index} aliases parameter "
                 f"{alias.parameter_number}, which is not a variable."
             )
+        flags = out_dynamic[alias.output_index]
+        if any(flags):
+            shown = _spelling(out_shapes[alias.output_index][1], flags)
+            raise ValueError(
+                f"{name}: variable {var.name!r} is assigned a value whose size depends on "
+                f"the data (shape {shown}, e.g. from tf.boolean_mask, tf.where or "
+                f"tf.unique), but variables on the IPU keep static shapes. Assign a value of "
+                f"the variable's shape (e.g. tf.where(mask, x, 0) rather than "
+                f"tf.boolean_mask(x, mask)), or return the value from the function."
+            )
         updates.append((alias.output_index, var))
 
-    signature = json.dumps({"version": 1, "name": name, "params": params,
-                            "num_results": num_results})
+    dynamic_outputs: list[DynamicOutput] = []
+    for k, flags in enumerate(out_dynamic):
+        if not any(flags):
+            continue
+        if k >= num_results:  # not a result, not a variable's new value: cannot happen
+            raise RuntimeError(
+                f"{name}: output {k} has a dynamic shape but is not one of the function's "
+                f"{num_results} results."
+            )
+        bound = out_shapes[k][1]
+        shape = tf.TensorShape([None if dyn else d for d, dyn in zip(bound, flags, strict=True)])
+        try:
+            shape = shape.merge_with(flat_results[k].shape)
+        except ValueError:
+            pass  # XLA's bounds are the truth for the device; TF's shape only refines them
+        dynamic_outputs.append(DynamicOutput(k, flags, shape))
+
+    sig: dict[str, Any] = {"version": 1, "name": name, "params": params,
+                           "num_results": num_results}
+    if dynamic_outputs:
+        sig["dynamic_outputs"] = [
+            {"output": d.index, "dynamic": list(d.dynamic)} for d in dynamic_outputs
+        ]
+    signature = json.dumps(sig)
     return LoweredProgram(
         name=name,
         program=module.SerializeToString(deterministic=True),
@@ -178,6 +245,7 @@ def lower_function(
             i: t.dtype for i, (t, (d, _)) in enumerate(zip(flat_results, out_shapes, strict=False))
             if t.dtype != tf.as_dtype(wire_dtypes.to_numpy(d))
         },
+        dynamic_outputs=dynamic_outputs,
     )
 
 
@@ -206,12 +274,30 @@ def _flat_shapes(shape: ir_pb2.Shape) -> list[tuple[int, tuple[int, ...]]]:
     return [(shape.dtype, tuple(int(d) for d in shape.dims))]
 
 
+def _flat_dynamic(shape: ir_pb2.Shape) -> list[tuple[bool, ...]]:
+    """Which dimensions of each leaf of ``shape`` (flattened as ``_flat_shapes``) are dynamic."""
+    if shape.is_tuple:
+        out: list[tuple[bool, ...]] = []
+        for s in shape.tuple_shapes:
+            out.extend(_flat_dynamic(s))
+        return out
+    flags = tuple(bool(b) for b in shape.dynamic_dims)
+    return [flags + (False,) * (len(shape.dims) - len(flags))]
+
+
+def _spelling(dims: Sequence[int], dynamic: Sequence[bool]) -> str:
+    """``[<=8,3]``: a dynamic dimension is spelled by its bound, as in HLO."""
+    return "[" + ",".join(("<=" if dy else "") + str(d) for d, dy in zip(dims, dynamic, strict=True)) + "]"
+
+
 def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
     """Emits the device call for ``lowered`` (in a graph being traced, or eagerly).
 
     Reads the variables, runs the program on the device through the IpuExecute op, writes
     the new values of updated variables back to the host variables (so every host read sees
-    the result of the last device call), and returns the function's results.
+    the result of the last device call), and returns the function's results. A result of
+    data-dependent size comes from the op at its bound, with its run-time dims in an extra
+    output, and is sliced to them here (module docstring).
     """
     import tf_ipu_ops
 
@@ -226,16 +312,23 @@ def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
             inputs.append(next(vars_iter).read_value())
         else:
             inputs.append(next(consts_iter))
+    dyn = lowered.dynamic_outputs
     outs = tf_ipu_ops.ipu_execute(
         inputs,
-        Tout=lowered.output_dtypes,
-        output_shapes=lowered.output_shapes,
+        Tout=lowered.output_dtypes + [tf.int32] * len(dyn),
+        output_shapes=lowered.output_shapes
+        + [tf.TensorShape([len(d.dynamic)]) for d in dyn],
         program=lowered.program,
         signature=lowered.signature,
     )
     for index, var in lowered.updates:
         var.assign(outs[index])
     results = list(outs[: lowered.num_results])
+    n_outputs = len(lowered.output_dtypes)
+    for d, dims in zip(dyn, outs[n_outputs:], strict=True):
+        value = tf.slice(results[d.index], tf.zeros_like(dims), dims)
+        value.set_shape(d.shape)
+        results[d.index] = value
     for i, dtype in lowered.result_casts.items():
         results[i] = tf.cast(results[i], dtype)
     return tf.nest.pack_sequence_as(lowered.result_structure, results)
