@@ -19,7 +19,9 @@ Printed per model: times, ratio emulator/XLA (target: at most 2x), and the one-o
 
 numpy's OpenBLAS threads spin-wait; on a loaded 2-core machine they slow everything down,
 and the device server caps them to one thread per process there. Measure like the server
-runs: ``OPENBLAS_NUM_THREADS=1`` (printed in the header). XLA keeps TensorFlow's thread pool
+runs: ``OPENBLAS_NUM_THREADS=1`` (printed in the header); the emulator then uses its own
+threads (``emulator/parallel.py``, one per CPU unless ``TF_IPU_EMULATOR_THREADS`` says
+otherwise) for big convolutions, products and fused element-wise chains. XLA keeps TensorFlow's thread pool
 (one thread per CPU); ``TF_NUM_INTRAOP_THREADS=1`` gives it one thread too, for a comparison
 at equal resources.
 
@@ -148,8 +150,11 @@ def main(quick: bool = False, only: list[str] | None = None) -> None:
 
     threads = (os.environ.get("TF_NUM_INTRAOP_THREADS") or tf.config.threading.get_intra_op_parallelism_threads()
                or "one per CPU")
-    print(f"  {os.cpu_count()} CPUs; emulator: OPENBLAS_NUM_THREADS="
-          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; XLA: TF intra-op threads {threads}")
+    from device_server.emulator import parallel
+
+    print(f"  {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; emulator: "
+          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
+          f"{parallel.threads()} threads; XLA: TF intra-op threads {threads}")
     ratios = [bench_model(name, quick) for name in only or MODELS]
     print(f"  geometric mean ratio: {float(np.exp(np.mean(np.log(ratios)))):.2f}x (target: at most 2x)")
 
