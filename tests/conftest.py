@@ -24,6 +24,11 @@ def device_server():
     try:
         yield server.address
     finally:
+        import sys
+
+        runtime = sys.modules.get("tf_ipu.runtime")
+        if runtime is not None and runtime._RUNTIME is not None:
+            runtime._RUNTIME.shutdown()  # close the session (and its heartbeat) first
         server.stop()
 
 

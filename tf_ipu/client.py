@@ -473,14 +473,18 @@ class DeviceClient:
 
         def beat() -> None:
             request = device_pb2.SessionRef(session_id=session_id)
+            failing = False  # a run of failures is logged once, as a warning
             while not stop.wait(interval):
                 try:
                     self._stub.Heartbeat(request, timeout=max(interval, 1.0),
                                          metadata=self._metadata)
+                    failing = False
                 except grpc.RpcError as e:
                     self.heartbeat_failures += 1
-                    logger.warning("heartbeat of session %s to %s failed: %s %s", session_id,
-                                   self.address, e.code().name, e.details())
+                    logger.log(logging.DEBUG if failing else logging.WARNING,
+                               "heartbeat of session %s to %s failed: %s %s", session_id,
+                               self.address, e.code().name, e.details())
+                    failing = True
                     if e.code() == grpc.StatusCode.NOT_FOUND:
                         return  # the session is gone; nothing left to keep alive
                 except ValueError:  # channel closed under us
