@@ -13,6 +13,7 @@ tested on hand-built IR against numpy references.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import emulator_util as eu
 import ml_dtypes
@@ -715,6 +716,41 @@ def test_rng_bit_generator_state_advances() -> None:
     assert not np.array_equal(s1, state) and not np.array_equal(bits1, bits2)
     ones = np.unpackbits(bits1.view(np.uint8)).mean()
     assert abs(ones - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("algorithm", [1, 2])  # RNG_THREE_FRY, RNG_PHILOX
+def test_rng_bit_generator_gives_xla_bits(algorithm: int) -> None:
+    """A u64 state gives XLA's own Philox-4x32 / ThreeFry-2x32 bits and new state (its CPU
+    backend's expansion, xla/hlo/builder/lib/prng.cc): every output width, odd shapes (block
+    tails, ThreeFry's split dimension), scalars, and a counter whose low word wraps."""
+    def bits(s: tf.Tensor) -> list[Any]:
+        return [xla.rng_bit_generator(algorithm, s, shape, dtype=dtype)
+                for dtype in (tf.uint8, tf.uint32, tf.uint64) for shape in ([3, 7], [4, 5], [], [9])]
+
+    eu.check(bits, np.array([0x0123456789ABCDEF, 2**64 - 2], np.uint64), rtol=0)
+
+
+def test_seeded_random_ops_and_dropout_match_xla() -> None:
+    """TF's stateless random ops (a 3-word Philox state per op) and Keras' Dropout in training
+    (its seed state a variable) draw exactly XLA's numbers, so a training step with dropout
+    compares with XLA like one without (normal: Box-Muller's log/sin/cos, last bits)."""
+    import keras
+
+    seed = tf.constant([5, 9], tf.int32)
+    eu.check(lambda s: (tf.random.stateless_uniform([7, 5], s), tf.random.stateless_uniform([9], s, 0, 50, tf.int32),
+                        tf.random.stateless_uniform([3, 3], s, alg="threefry", dtype=tf.float64),
+                        tf.random.stateless_uniform([5], s, dtype=tf.float16)), seed, rtol=0)
+    eu.check(lambda s: tf.random.stateless_normal([64], s), seed, rtol=1e-6, atol=1e-6)
+
+    keras.utils.set_random_seed(1)
+    layer = keras.layers.Dropout(0.5)
+    x = tf.constant(np.arange(1, 301, dtype=np.float32).reshape(3, 100))
+    fn = tf.function(lambda x: layer(x, training=True), jit_compile=True)
+    module, params, expected = eu.lower_step(fn, x)
+    got = eu.run_ir(module, params)
+    assert "rng-bit-generator" in {i.opcode for c in module.computations for i in c.instructions}
+    assert 0 < np.count_nonzero(expected[0]) < x.shape[0] * x.shape[1]
+    eu.assert_same(got, expected, rtol=0)  # the mask, the scaled values, the seed state
 
 
 # ------------------------------------------------------------------ Keras train steps

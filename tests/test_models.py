@@ -8,7 +8,9 @@ Models (reduced input sizes; full sizes are in ``bench/bench_models.py``):
 - ResNeXt-101 32x4d (``tf_ipu/models/resnext.py``) with one block per stage instead of
   (3, 4, 23, 3) (32x32, batch 4);
 - a BERT encoder (``tf_ipu/models/bert.py``: 2 layers, hidden 64, 4 heads, sequence 32,
-  vocabulary 1000, dropout 0) under ``bert_classifier`` (batch 4).
+  vocabulary 1000, dropout 0) under ``bert_classifier`` (batch 4);
+- a recurrent text classifier: Embedding (``mask_zero``, right-padded sequences of length 12),
+  bidirectional LSTM (16 units, all steps), GRU (16), batch 4: ``while`` loops, masked steps.
 
 Per model one function is lowered, so that one trace, one XLA compilation and one emulator
 compilation cover both parts: ``model(x, training=False)`` followed by
@@ -104,6 +106,21 @@ def _bert() -> keras.Model:
     return bert_classifier(encoder, classes=10)
 
 
+def _rnn() -> keras.Model:
+    inp = keras.Input((12,), dtype="int32")
+    x = keras.layers.Embedding(200, 16, mask_zero=True)(inp)
+    x = keras.layers.Bidirectional(keras.layers.LSTM(16, return_sequences=True))(x)
+    x = keras.layers.GRU(16)(x)
+    return keras.Model(inp, keras.layers.Dense(10)(x))
+
+
+def _padded_ids(rng: np.random.Generator) -> np.ndarray:
+    ids = rng.integers(1, 200, (4, 12)).astype(np.int32)
+    for k, n in enumerate((12, 7, 3, 9)):  # right-padded: the mask stops each sequence early
+        ids[k, n:] = 0
+    return ids
+
+
 CASES = {
     "resnet50": Case(_app("ResNet50", 64), _image(64, 4), r"_3_bn$",
                      {"convolution", "reduce-window", "select-and-scatter"}, grad_rtol=1e-2),
@@ -116,6 +133,7 @@ CASES = {
     "resnext": Case(_resnext, _image(32, 4), r"_3_bn$", {"convolution", "select-and-scatter"}, grouped=True),
     "bert": Case(_bert, lambda rng: rng.integers(0, 1000, (4, 32)).astype(np.int32), "",
                  {"dot", "gather", "scatter", "tanh"}),
+    "rnn": Case(_rnn, _padded_ids, "", {"while", "dot", "logistic", "tanh", "select", "dynamic-update-slice"}),
 }
 
 

@@ -41,7 +41,9 @@ exception checks (``inv``, ``div0``, ``oflo``) and NaN on FP16 overflow (``nanoo
 Numerics (vs. XLA on CPU, the reference): results match to float32 rounding. Deliberate
 differences: ``maximum``/``minimum`` propagate NaN as XLA's semantics say (TF 2.21's XLA CPU
 uses "fast" min/max that can drop a NaN in the second operand); subnormal results are kept
-(XLA CPU flushes them to zero); random bits are repeatable per seed but not XLA's bits.
+(XLA CPU flushes them to zero). Random bits: ``rng-bit-generator`` with a u64 state (TF's
+stateless ops, Keras' Dropout and other seeded layers) gives XLA's Philox/ThreeFry bits exactly;
+other states and ``rng`` are repeatable per seed but not XLA's bits.
 """
 
 from device_server.emulator.arch import BOW, GC2, GC200, PRESETS, Target, get_target
