@@ -11,23 +11,43 @@ project's path (``tf_ipu.lowering.program.lower_function``: ``tf.function(jit_co
   ``tests/test_models.py``). From zero momentum the step leaves ``-learning_rate * gradient``
   in each momentum, so the momenta compare the gradients.
 
-Models:
+Models (``--list``):
 
 - ``keras.applications`` (``weights=None``, ``classes=10``, ``classifier_activation=None``,
   the smallest input each allows, batch 2): DenseNet121, InceptionV3, InceptionResNetV2,
   NASNetMobile, ConvNeXtTiny, EfficientNetV2B0, MobileNetV3Small, MobileNet, VGG16,
   ResNet50V2 (Keras 3 has no RegNet);
-- hand-built Keras models for other layer families: stacked LSTM, bidirectional GRU, an
-  Embedding + masked GRU text classifier, SimpleRNN, Conv1D + GlobalMaxPooling1D, Conv3D +
-  MaxPooling3D, a small U-Net (Conv2DTranspose, UpSampling2D, per-pixel labels),
-  SeparableConv2D/DepthwiseConv2D, a ViT-style block (MultiHeadAttention, LayerNormalization,
-  GELU), a causal GPT-style decoder, a ``tf.signal`` audio front end (STFT, mel matrix, log),
-  ``keras.ops.einsum``, TimeDistributed + LSTM over video frames, ConvLSTM2D, a "misc" CNN
-  (Resizing, Normalization, GroupNormalization, PReLU, cropping/padding, average pooling),
-  and a CNN under the ``mixed_bfloat16`` and ``mixed_float16`` (loss-scaled) policies.
+- hand-built Keras models for other layer families: recurrent (stacked LSTM, bidirectional
+  GRU, SimpleRNN, Embedding + masked GRU, Masking + BiLSTM + unrolled LSTM, ConvLSTM2D,
+  TimeDistributed + LSTM, Conv1D + BiGRU under ``tf.nn.ctc_loss``); convolutional (Conv1D,
+  Conv3D + pooling, a U-Net, separable/depthwise, strided/dilated/grouped/transposed
+  convolutions and pools, ``channels_first``, a DCGAN generator, pixel shuffle and resizes);
+  attention (a ViT block, a causal GPT decoder, Attention/AdditiveAttention/masked MHA,
+  ``keras.ops.einsum`` + EinsumDense, FNet's FFT mixing); a ``tf.signal`` audio front end;
+  a GNN (gather + unsorted segment sum/mean/max); ``tf.while_loop``/``cond``/``scan``/
+  ``map_fn`` in a layer; two layers of assorted ops (cumsum, top_k, sort, bucketize,
+  extract_patches, LRN, lgamma, int8 matmul, bincount, approx_max_k, ...); NMS
+  (forward only); fake quantization (QAT); ``add_loss`` losses and regularizers;
+  ``mixed_bfloat16``/``mixed_float16`` (loss-scaled) and pure bfloat16/float16 CNNs;
+- every Keras optimizer on an MLP (Adam with accuracy metrics, AdamW, RMSprop, Adagrad,
+  Adadelta, Adamax, Nadam, Lion, Adafactor, Ftrl, SGD with Nesterov and clipping);
+- random models that keep their randomness (``random``): Dropout/SpatialDropout/
+  GaussianNoise/..., augmentation layers, a transformer with attention dropout, categorical
+  sampling. The emulator draws XLA's own bits (``kernels/rng.py``), so these compare like the
+  rest; TF without XLA draws others, so they have no noise floor (the "tf" column is 0).
+
+Left out, with the reason: bicubic, lanczos and antialiased resizes (no XLA kernel: XLA-FAIL),
+``ResizeArea`` and nearest-neighbour resize in training (no gradient, no XLA gradient kernel),
+RandomTranslation/Rotation/Zoom (``ImageProjectiveTransformV3``: no XLA kernel),
+``tf.image.crop_and_resize`` (no XLA kernel); bilinear upscales XLA CPU itself gets wrong
+(TF 2.21: 4 -> 12 gives ``[0, 0, 3.3, 6.7, 20, 13.3, ...]`` for ``[0, 10, 20, 30]``; 12 -> 20
+too; the emulator and TF without XLA agree on the right values); RandomCrop in training (its
+crop has a run-time size, which TF's XLA ResizeBilinear reads past: XLA leaves that padding
+unspecified, XLA CPU reads the buffer's old content, the emulator zeros).
 
 Weights: Keras' initializers, then biases, normalization offsets/scales and moving statistics
-drawn at random (so inference-mode normalization is not the identity); Dropout rates set to 0.
+drawn at random (so inference-mode normalization is not the identity); Dropout rates set to 0
+(except in the random models).
 
 Printed per model and part: ``OK``, ``MISMATCH`` (the worst relative L2 error
 ``|emulator - xla| / |xla|`` over the outputs, the loss, the updated variables and the
@@ -39,6 +59,12 @@ XLA on the same inputs (the "tf" column; it is the float32 noise floor: deep ran
 amplify rounding differences, see ``tests/test_models.py``). Gradients that are zero in exact
 arithmetic (a bias feeding a normalization, whose gradient is below 1e-4 of its kernel's or
 scale's) are rounding noise and not compared.
+
+``f32-noisy``: that floor is above 1e-3, so float32 decides nothing (at batch 2 and the
+smallest inputs, BatchNormalization of 2-8 values per channel, ``E[x^2] - E[x]^2`` variances
+and ReLU boundaries amplify rounding to O(1) gradient differences between any two float32
+implementations). The model is then rebuilt in float64 (``keras.config.set_floatx``) and
+compared again with tolerance 1e-7 (or 10x its own floor); that line decides the result.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/model_zoo.py [--only NAME ...] [--part forward|train]
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/model_zoo.py --list
@@ -381,9 +407,11 @@ def _super_resolution() -> Any:
     inp = keras.Input((16, 16, 3))
     x = L.Conv2D(16, 3, padding="same", activation="relu")(inp)
     x = PixelShuffle()(L.Conv2D(12, 3, padding="same")(x))                         # 32x32x3
-    x = L.Resizing(24, 24, interpolation="bicubic")(x)
-    x = L.Resizing(20, 20, interpolation="area")(SpaceToDepth()(x))              # 12x12x12 -> 20x20
-    x = L.Resizing(16, 16, interpolation="lanczos3")(x)
+    # (no XLA kernel: ResizeBicubic, ScaleAndTranslate (lanczos, antialias), ResizeNearestNeighborGrad;
+    # no gradient: ResizeArea; XLA CPU itself miscomputes some bilinear upscales, e.g. 12 -> 20, 4 -> 12)
+    x = L.Resizing(24, 24, interpolation="bilinear")(x)
+    x = L.Resizing(24, 24, interpolation="bilinear")(SpaceToDepth()(x))          # 12x12x12 -> 24x24
+    x = L.Resizing(16, 16, interpolation="bilinear", crop_to_aspect_ratio=True)(x)
     x = L.Conv2D(16, 3, activation="relu")(x)
     return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(x)))
 
@@ -398,7 +426,7 @@ def _attention_layers() -> Any:
     a = L.Attention(use_scale=True, score_mode="concat")([q, inp])
     b = L.AdditiveAttention()([q, inp])
     c = L.MultiHeadAttention(2, 8, value_dim=4, output_shape=16)(q, inp, attention_mask=mask)
-    d = L.Softmax(axis=-1)(L.Dense(10)(inp), mask=keras.ops.cast(keras.ops.ones((1, 10, 10)), "bool"))
+    d = L.Softmax(axis=-1)(L.Dense(10)(inp))
     x = L.Concatenate()([a, b, c, d])
     x = L.Permute((2, 1))(x)
     x = L.Dense(10, activation="gelu")(x)                                       # token mixing (MLP-Mixer)
@@ -611,8 +639,11 @@ def _dropout() -> Any:
 def _augmentation() -> Any:
     from keras import layers as L
 
-    # RandomTranslation/Rotation/Zoom: ImageProjectiveTransformV3, which XLA cannot compile
-    return _sequential(L.RandomFlip(), L.RandomContrast(0.2), L.RandomBrightness(0.1), L.RandomCrop(14, 14),
+    # RandomTranslation/Rotation/Zoom: ImageProjectiveTransformV3, which XLA cannot compile.
+    # RandomCrop: its crop has a run-time size and TF's XLA ResizeBilinear then reads past it
+    # (its sampling uses the bound); XLA leaves that padding unspecified and differs from the
+    # emulator there (XLA: the buffer's old content, the emulator: zeros). Not compared.
+    return _sequential(L.RandomFlip(), L.RandomContrast(0.2), L.RandomBrightness(0.1),
                        L.RandomGrayscale(0.5), L.Conv2D(8, 3, activation="relu"),
                        L.GlobalAveragePooling2D(), L.Dense(10), input_shape=(16, 16, 3))
 
@@ -817,7 +848,7 @@ MODELS: dict[str, Spec] = {
     "opt_sgd_nesterov": Spec("MLP + SGD nesterov, global_clipnorm", _mlp, _normal(8, 16),
                              optimizer=_optimizer("SGD", momentum=0.9, nesterov=True, global_clipnorm=0.5)),
     "gnn": Spec("GNN (gather, unsorted_segment_sum/mean/max)", _gnn, _normal(4, 12, 8)),
-    "super_resolution": Spec("depth_to_space, bicubic/area/lanczos resize", _super_resolution, _image(16)),
+    "super_resolution": Spec("depth_to_space/space_to_depth, resizes", _super_resolution, _image(16)),
     "attention_layers": Spec("Attention/AdditiveAttention/masked MHA/Permute", _attention_layers,
                              _normal(4, 10, 16)),
     "extra_losses": Spec("add_loss: Huber, focal, KLD, ...; regularizers", _extra_losses, _normal(8, 16)),

@@ -482,6 +482,25 @@ def test_select_and_scatter_random(case: dict[str, Any], select: str, scatter: s
     check(fn, x, src, init, expect="select-and-scatter")
 
 
+def test_bfloat16_select_and_scatter_warns_nothing() -> None:
+    """A bfloat16 max-pool gradient (mixed_bfloat16 training): the select computation is
+    recognized by probing it with NaNs, which must not leak numpy RuntimeWarnings (ml_dtypes'
+    bfloat16 comparisons warn on NaN outside an errstate)."""
+    import warnings
+
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    x, src = rand(rng, (2, 6, 6, 3)).astype(bf16), rand(rng, (2, 3, 3, 3)).astype(bf16)
+    sel, sca = _scalar_fn(_SELECTS["ge"], bf16), _scalar_fn(_REDUCERS["add"], bf16)
+
+    def fn(x: tf.Tensor, src: tf.Tensor, init: tf.Tensor) -> tf.Tensor:
+        return xla.select_and_scatter(x, [1, 2, 2, 1], [1, 2, 2, 1], [[0, 0]] * 4, src, init, sel, sca)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        check(fn, x, src, np.asarray(0, bf16), expect="select-and-scatter")
+
+
 # ------------------------------------------------------------------------------ gather
 
 
