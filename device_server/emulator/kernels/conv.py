@@ -198,6 +198,10 @@ def convolution(ctx: KernelContext) -> KernelFn:
     by_position = (not chunk and not depthwise and not pointwise and math.prod(os_) <= 256
                    and kp >= math.prod(os_) and ib > i_f)
     positions = list(itertools.product(*(range(v) for v in os_)))
+    # The window slab of each output position in the (feature, spatial..., batch) frame.
+    window_at = {pos: (slice(None), *(slice(o * st, o * st + (kk - 1) * d + 1, d) for o, st, kk, d in
+                                      zip(pos, ws.strides, ks, ws.window_dilation, strict=True)), slice(None))
+                 for pos in positions} if by_position else {}
     per_group = max(1, min(-(-64 // max(1, n)), (1 << 22) // max(1, n * kc)))
     position_groups = [positions[i:i + per_group] for i in range(0, len(positions), per_group)]
 
@@ -230,9 +234,7 @@ def convolution(ctx: KernelContext) -> KernelFn:
                 grp = position_groups[i]
                 rows_ = parallel.scratch(len(grp) * n * kc, cdt).reshape(len(grp), n, kc)
                 for g, pos in enumerate(grp):
-                    slab = p[(slice(None), *(slice(o * st, o * st + (kk - 1) * d + 1, d) for o, st, kk, d in
-                                             zip(pos, ws.strides, ks, ws.window_dilation, strict=True)), slice(None))]
-                    np.copyto(rows_[g].reshape((n, c, *ks)), np.moveaxis(slab, -1, 0))
+                    np.copyto(rows_[g].reshape((n, c, *ks)), np.moveaxis(p[window_at[pos]], -1, 0))
                 res = np.matmul(rows_.reshape(len(grp) * n, kc), kern[0])
                 for g, pos in enumerate(grp):
                     out[(slice(None), *pos, slice(None))] = res[g * n:(g + 1) * n]
@@ -242,8 +244,7 @@ def convolution(ctx: KernelContext) -> KernelFn:
 
         def position(i: int) -> None:
             pos = positions[i]
-            slab = p[(slice(None), *(slice(o * st, o * st + (kk - 1) * d + 1, d) for o, st, kk, d in
-                                     zip(pos, ws.strides, ks, ws.window_dilation, strict=True)), slice(None))]
+            slab = p[window_at[pos]]
             dst = out[(slice(None), *pos, slice(None))]  # (nb, ko)
             if groups == 1:
                 np.matmul(slab.reshape(kc, n).T, kern[0], out=dst)
