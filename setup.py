@@ -33,6 +33,7 @@ INSTALL_REQUIRES = [
     "keras==3.15.1",
     "numpy==2.4.6",
     "ml_dtypes==0.6.0",
+    "numba==0.68.1",
     "protobuf==7.36.2",
     "grpcio==1.85.3",
     "grpcio-health-checking==1.85.1",

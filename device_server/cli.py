@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads one big emulator kernel (convolution, matrix product, fused "
                         "element-wise ops) may split its work over; 0: "
                         "$TF_IPU_EMULATOR_THREADS if set, else one per CPU (default 0)")
+    p.add_argument("--no-emulator-jit", dest="emulator_jit", action="store_false",
+                   help="run fused element-wise ops as numpy calls instead of compiled loops "
+                        "(same results, slower; also TF_IPU_EMULATOR_JIT=0)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds the calls in flight get to finish "
                         "(default 10)")
@@ -228,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from device_server.emulator import parallel
 
         parallel.set_threads(args.emulator_threads)
+    if not args.emulator_jit:
+        from device_server.emulator import jit
+
+        jit.set_enabled(False)
     if args.parent_pid and not process_alive(args.parent_pid, False):
         print(f"device_server: --parent-pid {args.parent_pid} is not running", file=sys.stderr)
         return 2

@@ -221,3 +221,35 @@ def test_server_flag_sets_the_thread_count(capsys):
     assert cli.build_parser().parse_args(["--emulator-threads", "3"]).emulator_threads == 3
     assert cli.main(["--emulator-threads", "-1"]) == 2
     assert "--emulator-threads must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["numpy", "jit"])
+def test_expanded_broadcasts_are_read_from_their_operands(use_jit):
+    """add(broadcast(a), broadcast(b)) has no full-shaped operand, so both broadcasts are
+    expanded steps; the fused group reads a and b themselves (ones where they broadcast), and
+    the sum, smaller than a block, must not be used as a block's output buffer."""
+    from device_server.emulator import jit
+
+    shape = (64, 24, 512)
+    b = eu.IRBuilder("expanded")
+    x = b.parameter(F32, shape)
+    a = b.parameter(F32, (512,))
+    c = b.parameter(F32, (64,))
+    ab = b.op("broadcast", [a], F32, shape, dimensions=[2])
+    cb = b.op("broadcast", [c], F32, shape, dimensions=[0])
+    t = b.op("add", [ab, cb], F32, shape)
+    u = b.op("multiply", [t, x], F32, shape)
+    b.root(b.op("subtract", [u, ab], F32, shape))
+    before = jit.enabled()
+    jit.set_enabled(use_jit)
+    try:
+        exe = compile_module(b.module(), TARGET)
+    finally:
+        jit.set_enabled(before)
+    assert _arithmetic_steps(exe) == ["subtract"], exe._program.source  # broadcasts gone too
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal(shape).astype(F32), rng.standard_normal(512).astype(F32),
+            rng.standard_normal(64).astype(F32)]
+    x_, a_, c_ = args
+    expected = (a_ + c_[:, None, None]) * x_ - a_
+    np.testing.assert_array_equal(exe.run(args)[0], expected)

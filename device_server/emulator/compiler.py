@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import dynamic, errors, fusion, kernels, numerics
+from device_server.emulator import dynamic, errors, fusion, jit, kernels, numerics
 from device_server.emulator.arch import Target
 from device_server.emulator.errors import (
     EmulatorError,
@@ -624,6 +624,7 @@ class _Compiler:
         lazy = _lazy_broadcasts(live, by_id, comp.root_id, fault)
         reshaped: dict[int, tuple[int, tuple[int, ...]]] = {}  # reshape id -> (source slot, dims)
         slot_dims: dict[int, tuple[int, ...] | None] = {}  # slot -> its value's shape (None: tuple)
+        slot_dtypes: dict[int, np.dtype | None] = {}  # slot -> its value's dtype (None: tuple)
 
         def new_slot(value: Any = None, const: bool = False, shape: ir_pb2.Shape | None = None) -> int:
             template.append(value)
@@ -631,8 +632,10 @@ class _Compiler:
             slot = len(template) - 1
             if shape is not None:  # None: a tuple, or run-time sizes (never fused)
                 slot_dims[slot] = None if shape.is_tuple or dynamic.has_dynamic(shape) else _shape_of(shape)[1]
+                slot_dtypes[slot] = None if shape.is_tuple else _shape_of(shape)[0]
             else:
                 slot_dims[slot] = None if isinstance(value, tuple) else tuple(np.shape(value))
+                slot_dtypes[slot] = None if isinstance(value, tuple) else np.asarray(value).dtype
             return slot
 
         for instr in live:
@@ -753,7 +756,8 @@ class _Compiler:
             if step.out in needed:
                 needed.update(step.ins)
                 kept.append((step, instr))
-        raw_steps = self._fuse(kept[::-1], slot_dims, root_slot)
+        consts_now = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
+        raw_steps = self._fuse(kept[::-1], slot_dims, slot_dtypes, consts_now, root_slot)
         _reuse_buffers(raw_steps, root_slot)
         param_instrs = [i for i in live if i.opcode == "parameter"]
         big = frozenset(
@@ -772,16 +776,26 @@ class _Compiler:
         )
 
     def _fuse(self, steps: list[tuple[_Step, ir_pb2.Instruction]], dims: dict[int, tuple[int, ...] | None],
+              slot_dtypes: dict[int, np.dtype | None], consts: dict[int, Any],
               root_slot: int) -> list[tuple[_Step, ir_pb2.Instruction]]:
         """Replaces groups of element-wise steps over big arrays by one fused step each
         (``fusion.py``). Not with numerics on (their checks follow each instruction)."""
         if self.numerics.active:
             return steps
         fault = self.options.fault_inject_opcode
+        use_jit = jit.enabled()
+        exprs: list[str | None] = []  # each step's compiled form (jit.py), if it has one
+        for st, i in steps:
+            ok = use_jit and i.opcode in _FUSIBLE and i.opcode != fault and not i.shape.is_tuple
+            exprs.append(jit.expression(
+                i.opcode, {k: i.attrs[k].s for k in ("direction", "compare_type") if k in i.attrs},
+                [slot_dtypes.get(s) for s in st.ins], _shape_of(i.shape)[0],
+            ) if ok else None)
         fusible = [
             i.opcode in _FUSIBLE and i.opcode != fault and not i.shape.is_tuple
-            and (st.template is not None or getattr(st.fn, "ufunc", None) is not None)
-            for st, i in steps
+            and (st.template is not None or getattr(st.fn, "ufunc", None) is not None
+                 or expr is not None)
+            for (st, i), expr in zip(steps, exprs, strict=True)
         ]
         groups = fusion.plan_groups([st.ins for st, _ in steps], [st.out for st, _ in steps],
                                     fusible, dims, {root_slot})
@@ -789,6 +803,7 @@ class _Compiler:
             return steps
         roots = {g.members[-1]: g for g in groups}
         absorbed = {m for g in groups for m in g.members[:-1]}
+        producer = {st.out: (st, i) for st, i in steps}
         out: list[tuple[_Step, ir_pb2.Instruction]] = []
         for k, (st, instr) in enumerate(steps):
             if k in absorbed:
@@ -797,17 +812,37 @@ class _Compiler:
             if g is None:
                 out.append((st, instr))
                 continue
+            # An input that an expanded broadcast made is read from the broadcast's operand
+            # instead, with ones where it broadcasts (no full-size copy, fewer loads).
+            in_slots, in_dims = [], []
+            for s in g.inputs:
+                src = _broadcast_source(producer.get(s), dims) if fault != "broadcast" else None
+                in_slots.append(src[0] if src else s)
+                in_dims.append(src[1] if src else dims[s])
             index = {s: j for j, s in enumerate(g.inputs)}
             members = []
             for n, m in enumerate(g.members):
                 mst, minstr = steps[m]
                 members.append(fusion.Member(mst.fn, getattr(mst.fn, "ufunc", None),
-                                             tuple(index[s] for s in mst.ins), _shape_of(minstr.shape)[0]))
+                                             tuple(index[s] for s in mst.ins),
+                                             _shape_of(minstr.shape)[0], exprs[m]))
                 index[mst.out] = len(g.inputs) + n
             dt, shape = _shape_of(instr.shape)
-            fn = fusion.fused_kernel(shape, dt, [dims[s] for s in g.inputs], members)
-            out.append((_Step(fn, g.inputs, st.out), instr))
-        return out
+            in_dtypes = [slot_dtypes.get(s) for s in in_slots]
+            jit_inputs = None
+            if use_jit and all(d is not None for d in in_dtypes):  # (dtype == None is float64)
+                jit_inputs = [(d, consts[s] if s in consts and np.size(consts[s]) == 1 else None)
+                              for d, s in zip(in_dtypes, in_slots, strict=True)]
+            fn = fusion.fused_kernel(shape, dt, in_dims, members, jit_inputs)
+            out.append((_Step(fn, tuple(in_slots), st.out), instr))
+        # Broadcasts that only fused steps read are gone now.
+        needed = {root_slot}
+        kept: list[tuple[_Step, ir_pb2.Instruction]] = []
+        for st, instr in reversed(out):
+            if st.out in needed:
+                needed.update(st.ins)
+                kept.append((st, instr))
+        return kept[::-1]
 
     def _kernel(self, ctx: _Context) -> Callable[[Sequence[Any]], Any]:
         """The kernel of ``ctx.instr`` from its factory; with dynamic dimensions, one that
@@ -903,6 +938,29 @@ def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) 
         dims = tuple(instr.attrs["dimensions"].ints.values) if "dimensions" in instr.attrs else ()
         return dims == tuple(range(len(dims)))
     return False
+
+
+def _broadcast_source(
+    made: tuple[_Step, ir_pb2.Instruction] | None, dims: dict[int, tuple[int, ...] | None]
+) -> tuple[int, tuple[int, ...]] | None:
+    """For a value made by an (expanded) ``broadcast`` that does not transpose: its operand's
+    slot and the operand's shape with ones inserted where the broadcast adds dimensions."""
+    if made is None or made[1].opcode != "broadcast" or len(made[0].ins) != 1:
+        return None
+    step, instr = made
+    bdims = tuple(int(d) for d in instr.attrs["dimensions"].ints.values) \
+        if "dimensions" in instr.attrs else ()
+    src_dims = dims.get(step.ins[0])
+    out_dims = dims.get(step.out)
+    if src_dims is None or out_dims is None or len(bdims) != len(src_dims) \
+            or list(bdims) != sorted(set(bdims)):
+        return None
+    if any(not 0 <= d < len(out_dims) or src_dims[i] != out_dims[d] for i, d in enumerate(bdims)):
+        return None
+    expanded = [1] * len(out_dims)
+    for i, d in enumerate(bdims):
+        expanded[d] = src_dims[i]
+    return step.ins[0], tuple(expanded)
 
 
 def _lazy_broadcasts(

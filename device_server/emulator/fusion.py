@@ -11,7 +11,10 @@ A group is a producer-consumer cluster of element-wise steps of one output shape
 intermediate values nobody else reads (XLA's loop fusion, at numpy's granularity). Each member
 runs its own kernel function on the block, so results are those of the unfused program.
 Operands that are not computed in the group ("inputs") are either of the full shape (cut into
-the same blocks of rows) or broadcast over the leading dimensions that are cut (passed whole).
+the same blocks of rows) or broadcast over the leading dimensions that are cut (passed whole);
+an input made by a broadcast is read from the broadcast's operand (the compiler passes it with
+ones where it broadcasts). With the jit on (``jit.py``), the members that have a compiled form
+run as compiled loops over the block instead, with the same results.
 
 Planned by :func:`plan_groups` when a computation is compiled; :func:`fused_kernel` makes the
 step's function. Only big outputs (at least :data:`MIN_ELEMENTS`) are fused: below that the
@@ -27,12 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import parallel
+from device_server.emulator import jit, parallel
 
 __all__ = ["BLOCK_ELEMENTS", "MIN_ELEMENTS", "Group", "Member", "fused_kernel", "plan_groups"]
 
 # Elements of one block of the output (128 KiB of float32: a few of them fit in L2).
 BLOCK_ELEMENTS = 1 << 15
+# The same when the group runs as compiled loops (jit.py), which keep most intermediate values
+# in registers: bigger blocks cost nothing in cache and save per-block work.
+JIT_BLOCK_ELEMENTS = 1 << 16
 # Outputs smaller than this are not fused.
 MIN_ELEMENTS = 1 << 17
 
@@ -47,6 +53,7 @@ class Member:
     ufunc: np.ufunc | None
     args: tuple[int, ...]
     dtype: np.dtype | None = None  # of the result
+    expr: str | None = None        # its compiled form (jit.expression), if it has one
 
 
 @dataclass(frozen=True)
@@ -115,15 +122,17 @@ def plan_groups(
 
 
 def _blocking(
-    shape: tuple[int, ...], input_dims: Sequence[tuple[int, ...] | None]
+    shape: tuple[int, ...], input_dims: Sequence[tuple[int, ...] | None],
+    block_elements: int | None = None,
 ) -> tuple[int, list[bool]] | None:
     """How to cut ``shape`` into blocks: ``(lead, full)`` where the first ``lead``
     dimensions are cut (flattened into rows) and ``full[j]`` says input j has them (else it
     broadcasts over them); None when no cut gives at least two blocks."""
     rank = len(shape)
+    block_elements = block_elements or BLOCK_ELEMENTS
     for lead in range(rank, 0, -1):
         rows = math.prod(shape[:lead])
-        block_rows = max(1, BLOCK_ELEMENTS // max(1, math.prod(shape[lead:])))
+        block_rows = max(1, block_elements // max(1, math.prod(shape[lead:])))
         if rows <= block_rows:
             continue  # one block: nothing to gain
         full: list[bool] = []
@@ -149,17 +158,29 @@ def fused_kernel(
     dtype: np.dtype,
     input_dims: Sequence[tuple[int, ...]],
     members: Sequence[Member],
+    jit_inputs: Sequence[tuple[np.dtype, Any]] | None = None,
 ) -> Callable[[Sequence[Any]], np.ndarray]:
     """The function of a fused step: takes the group's inputs, returns the root's value
-    (a new C-ordered array of ``shape`` and ``dtype``)."""
-    plan = _blocking(shape, list(input_dims))
+    (a new C-ordered array of ``shape`` and ``dtype``). With ``jit_inputs`` (each input's
+    dtype, and its value if it is a one-element constant) and the jit on, members with a
+    compiled form run as compiled loops (``jit.py``)."""
+    block_elements = BLOCK_ELEMENTS
+    plan = None
+    use_jit = jit_inputs is not None and jit.enabled() and any(m.expr for m in members) \
+        and all(m.dtype is not None for m in members)
+    if use_jit:
+        block_elements = JIT_BLOCK_ELEMENTS
+        plan = _blocking(shape, list(input_dims), block_elements)
+    if plan is None:
+        block_elements = BLOCK_ELEMENTS
+        plan = _blocking(shape, list(input_dims))
     if plan is None:
         raise ValueError(f"no blocking of {list(shape)} for inputs {list(input_dims)}")
     lead, full = plan
     rank = len(shape)
     rows = math.prod(shape[:lead])
     inner = shape[lead:]
-    block_rows = max(1, BLOCK_ELEMENTS // max(1, math.prod(inner)))
+    block_rows = max(1, block_elements // max(1, math.prod(inner)))
     starts = list(range(0, rows, block_rows))
     views = []
     for d, f in zip(input_dims, full, strict=True):
@@ -175,28 +196,46 @@ def fused_kernel(
     for k, m in enumerate(members):
         for j in m.args:
             last_read[j] = k
+    # Values of the block's whole shape (the others broadcast: made from broadcast inputs only).
+    whole = [f and tuple(v[1:]) == tuple(inner) for v, f in zip(views, full, strict=True)]
+    for m in members:
+        whole.append(any(whole[j] for j in m.args))
     into: list[int] = []
     for k, m in enumerate(body):
         target = -1
         if m.ufunc is not None and m.dtype is not None:
             for j in m.args:
-                if j >= n_in and last_read.get(j) == k and members[j - n_in].dtype == m.dtype \
-                        and m.args.count(j) == 1:
+                if j >= n_in and whole[j] and last_read.get(j) == k \
+                        and members[j - n_in].dtype == m.dtype and m.args.count(j) == 1:
                     target = j
                     break
         into.append(target)
     steps = list(zip(body, into, strict=True))
+    compiled = None
+    if use_jit:
+        assert jit_inputs is not None
+        compiled = jit.block_function(
+            tuple(inner), views, jit_inputs,
+            [jit.Node(m.expr, m.args, np.dtype(m.dtype), _numpy_runner(m)) for m in members],
+        )
 
     def run(ops: Sequence[Any]) -> np.ndarray:
         src = []
         for v, view in zip(ops, views, strict=True):
-            src.append(v if view is None else np.reshape(v, view))
+            if view is not None:
+                v = np.reshape(v, view)
+                if compiled is not None:
+                    v = np.ascontiguousarray(v)  # compiled loops take C-ordered arrays
+            src.append(v)
         out = np.empty((rows, *inner), dtype)
 
         def block(i: int) -> None:
             a = starts[i]
             b = a + block_rows
             vals = [v[a:b] if f else v for v, f in zip(src, full, strict=True)]
+            if compiled is not None:
+                compiled(vals, out[a:b])
+                return
             for m, t in steps:
                 args = [vals[j] for j in m.args]
                 if t >= 0:
@@ -212,5 +251,21 @@ def fused_kernel(
 
         parallel.run_parts(block, len(starts))
         return out.reshape(shape)
+
+    run.jit = compiled is not None  # type: ignore[attr-defined]
+    return run
+
+
+def _numpy_runner(m: Member) -> Callable[[list[Any], Any], Any]:
+    """``m`` on numpy arrays: ``(args, out)`` -> its value (written into ``out`` if given)."""
+    fn, ufunc = m.fn, m.ufunc
+
+    def run(args: list[Any], out: Any) -> Any:
+        if out is None:
+            return ufunc(*args) if ufunc is not None else fn(args)
+        if ufunc is not None:
+            return ufunc(*args, out=out)
+        out[...] = fn(args)
+        return out
 
     return run
