@@ -23,7 +23,8 @@ runs: ``OPENBLAS_NUM_THREADS=1`` (printed in the header); the emulator then uses
 threads (``emulator/parallel.py``, one per CPU unless ``TF_IPU_EMULATOR_THREADS`` says
 otherwise) for big convolutions, products and fused element-wise chains. XLA keeps TensorFlow's thread pool
 (one thread per CPU); ``TF_NUM_INTRAOP_THREADS=1`` gives it one thread too, for a comparison
-at equal resources.
+at equal resources. ``TF_IPU_EMULATOR_JIT=0`` runs fused chains as numpy calls instead of
+compiled loops (``emulator/jit.py``), to see what the loops gain.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/run.py --only models [--quick]
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/bench_models.py [--quick] [--only NAME ...]
@@ -150,11 +151,12 @@ def main(quick: bool = False, only: list[str] | None = None) -> None:
 
     threads = (os.environ.get("TF_NUM_INTRAOP_THREADS") or tf.config.threading.get_intra_op_parallelism_threads()
                or "one per CPU")
-    from device_server.emulator import parallel
+    from device_server.emulator import jit, parallel
 
     print(f"  {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; emulator: "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
-          f"{parallel.threads()} threads; XLA: TF intra-op threads {threads}")
+          f"{parallel.threads()} threads, compiled loops {'on' if jit.enabled() else 'off'}; "
+          f"XLA: TF intra-op threads {threads}")
     ratios = [bench_model(name, quick) for name in only or MODELS]
     print(f"  geometric mean ratio: {float(np.exp(np.mean(np.log(ratios)))):.2f}x (target: at most 2x)")
 

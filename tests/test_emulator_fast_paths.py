@@ -313,3 +313,25 @@ def test_dot_contracting_every_dimension_of_matrices() -> None:
     got = compile_module(b.module(), TARGET).run([xv, yv])
     np.testing.assert_allclose(got[0], np.sum(xv * yv.T), rtol=1e-5)
     np.testing.assert_allclose(got[1], np.multiply.outer(xv, yv), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_input_gradients_read_the_kernel_transposed_in_place(dtype: type) -> None:
+    """An input gradient contracts the kernel over its output features: the kernel is a
+    transposed view straight into the matrix product (1x1: pointwise; 3x3: reversed, copied;
+    float16: converted), each against XLA."""
+
+    def fn(x: tf.Tensor, k1: tf.Tensor, k3: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            y1 = tf.nn.conv2d(x, k1, 1, "VALID")
+            y3 = tf.nn.conv2d(x, k3, 1, "SAME")
+            loss = tf.reduce_sum(y1 * y1) + tf.reduce_sum(y3 * tf.cast(1.5, x.dtype))
+        return tape.gradient(loss, x), y1
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 6, 5, 24)).astype(dtype)
+    k1 = (rng.standard_normal((1, 1, 24, 40)) / 5).astype(dtype)
+    k3 = (rng.standard_normal((3, 3, 24, 40)) / 10).astype(dtype)
+    tol = 1e-5 if dtype == np.float32 else 2e-3
+    eu.check(fn, x, k1, k3, rtol=tol, atol=tol)

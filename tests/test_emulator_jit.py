@@ -307,3 +307,19 @@ def test_server_flag_switches_the_jit_off():
 
     assert cli.build_parser().parse_args([]).emulator_jit is True
     assert cli.build_parser().parse_args(["--no-emulator-jit"]).emulator_jit is False
+
+
+def test_a_loop_that_does_not_compile_falls_back_to_numpy(monkeypatch, caplog):
+    def broken(source, sig, scope):
+        raise RuntimeError("LLVM ran out of luck")
+
+    monkeypatch.setattr(jit, "_compile", broken)
+    shape = (512, 512)
+    b = eu.IRBuilder("fallback")
+    x = b.parameter(F32, shape)
+    b.root(b.op("multiply", [b.op("add", [x, x], F32, shape), x], F32, shape))
+    exe = compile_module(b.module(), TARGET)
+    assert _fused_steps(exe) == [False]
+    assert "did not compile (RuntimeError: LLVM ran out of luck)" in caplog.text
+    v = np.random.default_rng(6).standard_normal(shape).astype(F32)
+    np.testing.assert_array_equal(exe.run([v])[0], (v + v) * v)

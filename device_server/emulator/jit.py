@@ -235,7 +235,12 @@ def block_function(
         if not compiled:
             steps.append((v, None, []))
             continue
-        fn, used = _make_kernel(v, n_in, nodes, dtypes, materialized - {v}, vary, consts)
+        try:
+            fn, used = _make_kernel(v, n_in, nodes, dtypes, materialized - {v}, vary, consts)
+        except Exception as e:  # a numba failure must not fail the program: numpy blocks
+            log.warning("emulator jit: a fused loop did not compile (%s: %s); numpy runs it",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return None
         steps.append((v, fn, [(a, shape_of(a) if any(vary[a]) else None) for a in used]))
     out_shape = shape_of(root)
     rest = sizes[1:]

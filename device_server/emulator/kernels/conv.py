@@ -265,6 +265,12 @@ def convolution(ctx: KernelContext) -> KernelFn:
         kern = rhs.transpose(rhs_perm).reshape((*ks, cg, ko))
         if any_reverse:
             kern = kern[reverse]
+        if groups == 1 and kern.dtype == cdt:
+            # A transposed kernel (input gradients swap its feature dimensions) stays a view:
+            # BLAS reads a transposed operand as it is, copying it costs more than the product.
+            k2 = kern.reshape(kc, ko)
+            if k2.flags.c_contiguous or k2.flags.f_contiguous:
+                return k2[None]
         kern = kern.reshape(kp, cg, groups, og).transpose(2, 0, 1, 3)
         return np.ascontiguousarray(kern, dtype=cdt).reshape(groups, kc, og)
 
