@@ -323,3 +323,24 @@ def test_a_loop_that_does_not_compile_falls_back_to_numpy(monkeypatch, caplog):
     assert "did not compile (RuntimeError: LLVM ran out of luck)" in caplog.text
     v = np.random.default_rng(6).standard_normal(shape).astype(F32)
     np.testing.assert_array_equal(exe.run([v])[0], (v + v) * v)
+
+
+def test_sessions_running_the_same_compiled_loops_at_once_get_their_own_results():
+    shape = (256, 1024)
+    b = eu.IRBuilder("concurrent")
+    x = b.parameter(F32, shape)
+    t = b.op("multiply", [b.op("add", [x, x], F32, shape), x], F32, shape)
+    b.root(b.op("subtract", [b.op("exponential", [t], F32, shape), x], F32, shape))
+    exe = compile_module(b.module(), TARGET)
+    assert _fused_steps(exe) == [True]
+    inputs = [np.random.default_rng(10 + k).uniform(-2, 2, shape).astype(F32) for k in range(4)]
+    expected = [np.exp((v + v) * v) - v for v in inputs]
+    got: dict[int, list[np.ndarray]] = {}
+
+    def worker(k: int) -> None:
+        got[k] = [exe.run([inputs[k]])[0] for _ in range(5)]
+
+    eu.run_in_threads(worker, 4)
+    for k in range(4):
+        for r in got[k]:
+            _same(r, expected[k])

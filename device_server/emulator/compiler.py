@@ -750,14 +750,9 @@ class _Compiler:
                 f"computation '{comp.name}': parameter numbers {sorted(params)} are not 0..{n_params - 1}."
             )
         # Steps that rewriting (reshape chains) left without users.
-        needed = {root_slot}
-        kept: list[tuple[_Step, ir_pb2.Instruction]] = []
-        for step, instr in reversed(raw_steps):
-            if step.out in needed:
-                needed.update(step.ins)
-                kept.append((step, instr))
+        raw_steps = _used_steps(raw_steps, root_slot)
         consts_now = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
-        raw_steps = self._fuse(kept[::-1], slot_dims, slot_dtypes, consts_now, root_slot)
+        raw_steps = self._fuse(raw_steps, slot_dims, slot_dtypes, consts_now, root_slot)
         _reuse_buffers(raw_steps, root_slot)
         param_instrs = [i for i in live if i.opcode == "parameter"]
         big = frozenset(
@@ -835,14 +830,7 @@ class _Compiler:
                               for d, s in zip(in_dtypes, in_slots, strict=True)]
             fn = fusion.fused_kernel(shape, dt, in_dims, members, jit_inputs)
             out.append((_Step(fn, tuple(in_slots), st.out), instr))
-        # Broadcasts that only fused steps read are gone now.
-        needed = {root_slot}
-        kept: list[tuple[_Step, ir_pb2.Instruction]] = []
-        for st, instr in reversed(out):
-            if st.out in needed:
-                needed.update(st.ins)
-                kept.append((st, instr))
-        return kept[::-1]
+        return _used_steps(out, root_slot)  # broadcasts only fused steps read are gone now
 
     def _kernel(self, ctx: _Context) -> Callable[[Sequence[Any]], Any]:
         """The kernel of ``ctx.instr`` from its factory; with dynamic dimensions, one that
@@ -938,6 +926,19 @@ def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) 
         dims = tuple(instr.attrs["dimensions"].ints.values) if "dimensions" in instr.attrs else ()
         return dims == tuple(range(len(dims)))
     return False
+
+
+def _used_steps(
+    steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int
+) -> list[tuple[_Step, ir_pb2.Instruction]]:
+    """``steps`` without those whose value the result does not need."""
+    needed = {root_slot}
+    kept: list[tuple[_Step, ir_pb2.Instruction]] = []
+    for step, instr in reversed(steps):
+        if step.out in needed:
+            needed.update(step.ins)
+            kept.append((step, instr))
+    return kept[::-1]
 
 
 def _broadcast_source(
