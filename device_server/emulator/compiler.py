@@ -453,6 +453,7 @@ class _Context:
         self.operand_dynamic = [dynamic.dynamic_flags(op.shape) for op in operands]
         # Whether a dimension of the result or of an operand is dynamic (see dynamic.py).
         self.dynamic = dynamic.has_dynamic(instr.shape) or any(dynamic.has_dynamic(op.shape) for op in operands)
+        self.in_place = instr.id in compiler.in_place
 
     def error(self, message: str) -> InvalidProgramError:
         """An :class:`InvalidProgramError` naming this instruction."""
@@ -492,6 +493,9 @@ class _Context:
         """The IR of the index-th called computation (for kernels that pattern-match it)."""
         return self._callee(index)
 
+    def in_place_slots(self, index: int) -> tuple[tuple[int, ...], ...]:
+        return self._compiler.mark_in_place(self._callee(index))
+
     def is_elementwise(self, index: int) -> bool:
         """Whether the index-th called computation only uses shape-agnostic element-wise
         ops, so that it may be called on whole arrays instead of scalars."""
@@ -528,6 +532,90 @@ class _Compiler:
         self.programs: dict[int, Program] = {}
         self.in_progress: set[int] = set()
         self.live: dict[int, list[ir_pb2.Instruction]] = {}
+        # dynamic-update-slice instructions that write into their operand (mark_in_place).
+        self.in_place: set[int] = set()
+        self.in_place_paths: dict[int, tuple[tuple[int, ...], ...]] = {}  # body id -> paths
+        self.callers: dict[int, int] = {}  # computation id -> instructions that call it
+        for c in module.computations:
+            for i in c.instructions:
+                for callee in i.called_computations:
+                    self.callers[callee] = self.callers.get(callee, 0) + 1
+
+    def mark_in_place(self, body: ir_pb2.Computation) -> tuple[tuple[int, ...], ...]:
+        """The loop-state elements (paths of tuple indices: a TensorList is itself a tuple of
+        buffer and size) that ``body`` reads once, only to update them with a
+        dynamic-update-slice whose result goes back to the same place in its result and
+        nowhere else (a TensorArray written one step per iteration). Those updates are marked
+        to write in place: XLA updates such buffers in place too, and copying them each
+        iteration makes a loop of n steps cost n^2. Only for a body that this loop alone
+        calls and that is not compiled yet. The same answer every time it is asked (a loop
+        planned again for run-time shapes must copy what the compiled body updates)."""
+        if body.id not in self.in_place_paths:
+            self.in_place_paths[body.id] = () if body.id in self.programs else self._find_in_place(body)
+        return self.in_place_paths[body.id]
+
+    def _find_in_place(self, body: ir_pb2.Computation) -> tuple[tuple[int, ...], ...]:
+        if self.callers.get(body.id, 0) != 1 \
+                or self.options.fault_inject_opcode in ("dynamic-update-slice", "get-tuple-element", "tuple"):
+            return ()
+        live = self.live_instructions(body)
+        by_id = {i.id: i for i in live}
+        params = [i for i in live if i.opcode == "parameter"]
+        root = by_id.get(body.root_id)
+        if len(params) != 1 or not params[0].shape.is_tuple or root is None or root.opcode != "tuple":
+            return ()
+        users: dict[int, list[ir_pb2.Instruction]] = {}
+        for i in live:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+
+        def index(g: ir_pb2.Instruction) -> int:
+            return int(g.attrs["index"].i) if "index" in g.attrs else 0
+
+        paths: list[tuple[int, ...]] = []
+
+        def walk(value: ir_pb2.Instruction, path: tuple[int, ...]) -> None:
+            """Follows the tuple-shaped ``value`` (read at ``path`` of the state) to its
+            elements; marks the updates that qualify."""
+            reads = users.get(value.id, [])
+            if any(u.opcode != "get-tuple-element" for u in reads):
+                return  # the whole tuple is read: its buffers are seen elsewhere
+            by_index: dict[int, list[ir_pb2.Instruction]] = {}
+            for g in reads:
+                by_index.setdefault(index(g), []).append(g)
+            for k, gs in sorted(by_index.items()):
+                if len(gs) != 1:
+                    continue
+                g, where = gs[0], (*path, k)
+                if g.shape.is_tuple:
+                    walk(g, where)
+                    continue
+                us = users.get(g.id, [])
+                if len(us) != 1 or us[0].opcode != "dynamic-update-slice" or us[0].operands[0] != g.id \
+                        or list(us[0].operands).count(g.id) != 1 or dynamic.has_dynamic(us[0].shape):
+                    continue
+                if self._returns_to(us[0], where, root, users):
+                    self.in_place.add(us[0].id)
+                    paths.append(where)
+
+        walk(params[0], ())
+        return tuple(paths)
+
+    @staticmethod
+    def _returns_to(value: ir_pb2.Instruction, path: tuple[int, ...], root: ir_pb2.Instruction,
+                    users: dict[int, list[ir_pb2.Instruction]]) -> bool:
+        """Whether ``value`` reaches the body's result at ``path`` through tuples only, once,
+        and is read by nothing else on the way."""
+        for depth in range(len(path) - 1, -1, -1):
+            us = users.get(value.id, [])
+            if len(us) != 1 or us[0].opcode != "tuple":
+                return False
+            if [j for j, o in enumerate(us[0].operands) if o == value.id] != [path[depth]]:
+                return False
+            value = us[0]
+            if depth == 0:
+                return value is root
+        return False
 
     def computation_ir(self, comp_id: int, user: ir_pb2.Instruction | None = None) -> ir_pb2.Computation:
         comp = self.comps.get(comp_id)

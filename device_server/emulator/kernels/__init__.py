@@ -48,6 +48,9 @@ class KernelContext(Protocol):
     out_dynamic: tuple[bool, ...]       # () for tuple-shaped results
     operand_dynamic: list[tuple[bool, ...]]
     numerics: Any                       # emulator.numerics.Numerics: partials, rounding
+    # For a dynamic-update-slice: its operand is a buffer that nothing else reads, owned by the
+    # loop that runs this computation (see in_place_slots), so it may be written in place.
+    in_place: bool
 
     def attr(self, name: str, default: Any = ...) -> Any:
         """The attribute as a Python value (ints -> tuple[int, ...], literal -> np.ndarray).
@@ -57,6 +60,12 @@ class KernelContext(Protocol):
 
     def computation(self, index: int) -> Callable[[Sequence[Value]], Value]:
         """The instruction's index-th called computation, compiled, as a function."""
+
+    def in_place_slots(self, index: int) -> tuple[tuple[int, ...], ...]:
+        """For a ``while``: the elements of the loop state (paths of tuple indices) that its
+        body (the index-th called computation) only updates with a dynamic-update-slice,
+        which then writes in place. The loop must hand the body buffers of its own for them
+        (copies made once per loop). Call it before :meth:`computation` compiles the body."""
 
     def reducer_ufunc(self, index: int) -> np.ufunc | None:
         """If the index-th called computation is a plain binary op of its two parameters

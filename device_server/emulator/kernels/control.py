@@ -121,17 +121,32 @@ def _call(ctx: KernelContext) -> KernelFn:
 
 @register("while")
 def _while(ctx: KernelContext) -> KernelFn:
-    """``called_computations`` = (condition, body), as documented in docs/ir.md."""
+    """``called_computations`` = (condition, body), as documented in docs/ir.md. State
+    elements the body updates in place (``in_place_slots``) are copied once on entry, so the
+    loop owns them and the caller's values stay as they were."""
+    owned = ctx.in_place_slots(1)
     cond = ctx.computation(0)
     body = ctx.computation(1)
 
     def run(ops: Sequence[Any]) -> Any:
         state = ops[0]
+        for path in owned:
+            state = _copied_at(state, path)
         while cond((state,)):
             state = body((state,))
         return state
 
     return run
+
+
+def _copied_at(value: Any, path: tuple[int, ...]) -> Any:
+    """``value`` (nested tuples) with a copy of the array at ``path``."""
+    if not path:
+        return np.array(value, copy=True)
+    if not isinstance(value, tuple) or not 0 <= path[0] < len(value):
+        return value
+    k = path[0]
+    return (*value[:k], _copied_at(value[k], path[1:]), *value[k + 1:])
 
 
 @register("conditional")

@@ -392,7 +392,8 @@ def dynamic_slice(ctx: KernelContext) -> KernelFn:
 @register("dynamic-update-slice")
 def dynamic_update_slice(ctx: KernelContext) -> KernelFn:
     """XLA DynamicUpdateSlice: a copy of ``operand`` with ``update`` written at run-time start
-    indices, clamped so the update lies inside the operand."""
+    indices, clamped so the update lies inside the operand (written into ``operand`` itself
+    when the compiler marked it ``in_place``)."""
     if len(ctx.operand_shapes) < 2:
         raise invalid(ctx, f"expected (operand, update, start indices...), got {len(ctx.operand_shapes)} operands.")
     shape = tuple(int(v) for v in ctx.operand_shapes[0])
@@ -408,4 +409,14 @@ def dynamic_update_slice(ctx: KernelContext) -> KernelFn:
         out[_starts(ops, 2, form, limits)] = ops[1]
         return out
 
+    if getattr(ctx, "in_place", False):
+        # The operand is a loop's own buffer that nothing else reads (see ``while``).
+        def run_in_place(ops: Sequence[Any]) -> np.ndarray:
+            out = ops[0]
+            if not (isinstance(out, np.ndarray) and out.flags.writeable):
+                return run(ops)
+            out[_starts(ops, 2, form, limits)] = ops[1]
+            return out
+
+        return run_in_place
     return run
