@@ -529,6 +529,10 @@ class _Compiler:
         self.options = options
         self.numerics = numerics_ or numerics.Numerics()
         self.comps = {c.id: c for c in module.computations}
+        if not self.numerics.checks and options.fault_inject_opcode not in (
+                "add", "dynamic-update-slice", "dynamic-slice"):
+            next_id = [1 + max((i.id for c in module.computations for i in c.instructions), default=0)]
+            self.comps = {k: _add_into_slice(c, next_id) for k, c in self.comps.items()}
         self.programs: dict[int, Program] = {}
         self.in_progress: set[int] = set()
         self.live: dict[int, list[ir_pb2.Instruction]] = {}
@@ -591,11 +595,15 @@ class _Compiler:
                     walk(g, where)
                     continue
                 us = users.get(g.id, [])
-                if len(us) != 1 or us[0].opcode != "dynamic-update-slice" or us[0].operands[0] != g.id \
-                        or list(us[0].operands).count(g.id) != 1 or dynamic.has_dynamic(us[0].shape):
+                upd = [u for u in us if u.opcode == "dynamic-update-slice" and u.operands[0] == g.id]
+                if len(upd) != 1 or list(upd[0].operands).count(g.id) != 1 or dynamic.has_dynamic(upd[0].shape):
                     continue
-                if self._returns_to(us[0], where, root, users):
-                    self.in_place.add(us[0].id)
+                # Other readers may only be dynamic slices (copies) that the update waits for.
+                before = _ancestors(upd[0], by_id)
+                if any(u is not upd[0] and (u.opcode != "dynamic-slice" or u.id not in before) for u in us):
+                    continue
+                if self._returns_to(upd[0], where, root, users):
+                    self.in_place.add(upd[0].id)
                     paths.append(where)
 
         walk(params[0], ())
@@ -604,10 +612,13 @@ class _Compiler:
     @staticmethod
     def _returns_to(value: ir_pb2.Instruction, path: tuple[int, ...], root: ir_pb2.Instruction,
                     users: dict[int, list[ir_pb2.Instruction]]) -> bool:
-        """Whether ``value`` reaches the body's result at ``path`` through tuples only, once,
-        and is read by nothing else on the way."""
+        """Whether ``value`` reaches the body's result at ``path`` through tuples (and
+        reshapes to the same shape) only, once, and is read by nothing else on the way."""
         for depth in range(len(path) - 1, -1, -1):
             us = users.get(value.id, [])
+            while len(us) == 1 and us[0].opcode in ("reshape", "bitcast") \
+                    and us[0].shape.SerializeToString() == value.shape.SerializeToString():
+                value, us = us[0], users.get(us[0].id, [])  # a reshape to the same shape
             if len(us) != 1 or us[0].opcode != "tuple":
                 return False
             if [j for j, o in enumerate(us[0].operands) if o == value.id] != [path[depth]]:
@@ -1014,6 +1025,103 @@ def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) 
         dims = tuple(instr.attrs["dimensions"].ints.values) if "dimensions" in instr.attrs else ()
         return dims == tuple(range(len(dims)))
     return False
+
+
+def _ancestors(instr: ir_pb2.Instruction, by_id: dict[int, ir_pb2.Instruction]) -> set[int]:
+    """Every instruction ``instr`` depends on (through its operands)."""
+    seen: set[int] = set()
+    todo = list(instr.operands)
+    while todo:
+        o = todo.pop()
+        if o in seen or o not in by_id:
+            continue
+        seen.add(o)
+        todo.extend(by_id[o].operands)
+    return seen
+
+
+def _element(instr: ir_pb2.Instruction | None,
+             by_id: dict[int, ir_pb2.Instruction]) -> ir_pb2.Instruction | None:
+    """``instr``, or what a get-tuple-element of a tuple made in the same computation reads."""
+    for _ in range(16):
+        if instr is None or instr.opcode != "get-tuple-element" or not instr.operands:
+            return instr
+        src = by_id.get(instr.operands[0])
+        if src is None or src.opcode != "tuple":
+            return instr
+        k = int(instr.attrs["index"].i) if "index" in instr.attrs else 0
+        if not 0 <= k < len(src.operands):
+            return None
+        instr = by_id.get(src.operands[k])
+    return instr
+
+
+def _is_zeros(instr: ir_pb2.Instruction, by_id: dict[int, ir_pb2.Instruction]) -> bool:
+    """A constant of zeros, or a broadcast of one (also taken out of a tuple just made)."""
+    found = _element(instr, by_id)
+    if found is not None and found.opcode == "broadcast" and len(found.operands) == 1:
+        found = _element(by_id.get(found.operands[0]), by_id)
+    if found is None:
+        return False
+    instr = found
+    if instr.opcode != "constant" or "value" not in instr.attrs or instr.shape.is_tuple:
+        return False
+    try:
+        value = literal_to_value(instr.attrs["value"].literal)
+    except Exception:  # noqa: BLE001 - a bad literal is reported when the constant compiles
+        return False
+    return isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and not np.any(value)
+
+
+def _add_into_slice(comp: ir_pb2.Computation, next_id: list[int]) -> ir_pb2.Computation:
+    """``add(x, dynamic-update-slice(zeros, u, i...))`` becomes ``dynamic-update-slice(x,
+    add(dynamic-slice(x, i...), u), i...)`` (as XLA's simplifier does): the gradient of a
+    TensorArray read, added into the accumulated gradient every iteration of a backward loop,
+    then touches one slice instead of the whole buffer, and can be done in place
+    (``mark_in_place``). Equal except that ``-0 + 0`` stays ``-0`` outside the slice. Returns
+    ``comp`` itself when nothing matches."""
+    by_id = {i.id: i for i in comp.instructions}
+    plan: dict[int, tuple[int, ir_pb2.Instruction]] = {}  # add id -> (x id, the update)
+    for i in comp.instructions:
+        if i.opcode != "add" or len(i.operands) != 2 or i.shape.is_tuple or dynamic.has_dynamic(i.shape):
+            continue
+        for side in (0, 1):
+            d, x = _element(by_id.get(i.operands[side]), by_id), by_id.get(i.operands[1 - side])
+            if d is None or x is None or d.opcode != "dynamic-update-slice" \
+                    or len(d.operands) < 3 or not all(o in by_id for o in d.operands):
+                continue
+            u = by_id[d.operands[1]]
+            if not _is_zeros(by_id[d.operands[0]], by_id) or u.shape.is_tuple or dynamic.has_dynamic(u.shape) \
+                    or x.shape.dtype != i.shape.dtype or u.shape.dtype != i.shape.dtype \
+                    or list(x.shape.dims) != list(i.shape.dims) or len(u.shape.dims) != len(i.shape.dims):
+                continue
+            plan[i.id] = (x.id, d)
+            break
+    if not plan:
+        return comp
+    out = ir_pb2.Computation()
+    out.CopyFrom(comp)
+    del out.instructions[:]
+    for i in comp.instructions:
+        if i.id not in plan:
+            out.instructions.add().CopyFrom(i)
+            continue
+        x_id, d = plan[i.id]
+        index = list(d.operands[2:])
+        ds = out.instructions.add(id=next_id[0], name=f"{i.name}.slice", opcode="dynamic-slice",
+                                  operands=[x_id, *index], source_op=i.source_op)
+        ds.shape.CopyFrom(by_id[d.operands[1]].shape)
+        ds.attrs["slice_sizes"].ints.values.extend(int(v) for v in ds.shape.dims)
+        total = out.instructions.add(id=next_id[0] + 1, name=f"{i.name}.sum", opcode="add",
+                                     operands=[ds.id, d.operands[1]], source_op=i.source_op)
+        total.shape.CopyFrom(ds.shape)
+        next_id[0] += 2
+        new = out.instructions.add()
+        new.CopyFrom(i)
+        new.opcode = "dynamic-update-slice"
+        del new.operands[:]
+        new.operands.extend([x_id, total.id, *index])
+    return out
 
 
 def _used_steps(
