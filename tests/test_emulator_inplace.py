@@ -95,9 +95,12 @@ def test_recurrent_gradients_with_pushed_tensor_lists_match_xla(marked):
         np.testing.assert_array_equal(a, b)
 
 
-def _loop_module(read_old_too: bool) -> eu.IRBuilder:
-    """while (i < 6): buf = dynamic-update-slice(buf, row(i), i); i += 1 -- and, when
-    ``read_old_too``, the body also returns the buffer before the update (so it must copy)."""
+def _loop_module(mode: str) -> eu.IRBuilder:
+    """while (i < 6): buf = dynamic-update-slice(buf, row(i), i); i += 1, and element 2 of the
+    state is: ``pass`` -- passed through; ``old-value-read`` -- the buffer before the update
+    (read whole: the update must copy); ``slice-before`` / ``slice-after`` -- updated with the
+    row of the buffer before the update, a dynamic-slice placed before (the update may then
+    write in place) or after the update in program order (it may not)."""
     shape = (6, 4)
     s32 = np.int32
     cond = eu.IRBuilder("cond")
@@ -121,12 +124,22 @@ def _loop_module(read_old_too: bool) -> eu.IRBuilder:
     fi = body.op("convert", [bi], F32, [])
     row = body.op("broadcast", [fi], F32, (1, 4), dimensions=[])
     zero = body.constant(np.int32(0))
+
+    def read_row() -> int:
+        return body.op("dynamic-slice", [buf, bi, zero], F32, (1, 4), slice_sizes=[1, 4])
+
+    got = read_row() if mode == "slice-before" else None
     new = body.op("dynamic-update-slice", [buf, row, bi, zero], F32, shape)
+    if mode == "slice-after":
+        got = read_row()
     one = body.constant(np.int32(1))
     ni = body.op("add", [bi, one], s32, [])
-    if read_old_too:
+    if mode == "old-value-read":
         old = body.op("multiply", [buf, body.op("broadcast", [body.constant(F32(1))], F32, shape,
                                                  dimensions=[])], F32, shape)
+    elif got is not None:
+        acc = body.op("get-tuple-element", [bp], F32, shape, index=2)
+        old = body.op("dynamic-update-slice", [acc, got, bi, zero], F32, shape)
     else:
         old = body.op("get-tuple-element", [bp], F32, shape, index=2)
     body.root(body.tuple([ni, new, old]))
@@ -138,21 +151,25 @@ def _loop_module(read_old_too: bool) -> eu.IRBuilder:
     return main
 
 
-@pytest.mark.parametrize("read_old_too", [False, True], ids=["in-place", "old-value-read"])
-def test_updates_are_in_place_only_when_nothing_else_reads_the_buffer(marked, read_old_too):
-    module = _loop_module(read_old_too).module()
+@pytest.mark.parametrize("mode, paths", [
+    ("pass", ((1,),)), ("old-value-read", ()), ("slice-before", ((1,), (2,))), ("slice-after", ((2,),)),
+])
+def test_updates_are_in_place_only_when_nothing_else_reads_the_buffer(marked, mode, paths):
+    module = _loop_module(mode).module()
     exe = compile_module(module, TARGET)
-    assert marked == [() if read_old_too else ((1,),)]
+    assert marked == [paths]
     start = np.full((6, 4), -1.0, F32)
     caller_copy = start.copy()
     for _ in range(2):
         new, old, passed_through = exe.run([start])
         np.testing.assert_array_equal(new, np.repeat(np.arange(6, dtype=F32)[:, None], 4, axis=1))
         expected_old = new.copy()
-        if read_old_too:  # the body's last iteration returned the buffer before its update
+        if mode == "old-value-read":  # the last iteration returned the buffer before its update
             expected_old[5] = -1.0
-        else:
+        elif mode == "pass":
             expected_old[:] = 0.0
+        else:  # each row as it was before its update
+            expected_old[:] = -1.0
         np.testing.assert_array_equal(old, expected_old)
         np.testing.assert_array_equal(passed_through, caller_copy)
         np.testing.assert_array_equal(start, caller_copy)  # the caller's array is untouched

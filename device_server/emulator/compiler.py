@@ -577,6 +577,7 @@ class _Compiler:
             return int(g.attrs["index"].i) if "index" in g.attrs else 0
 
         paths: list[tuple[int, ...]] = []
+        order = {i.id: n for n, i in enumerate(live)}  # the order the steps run in
 
         def walk(value: ir_pb2.Instruction, path: tuple[int, ...]) -> None:
             """Follows the tuple-shaped ``value`` (read at ``path`` of the state) to its
@@ -588,19 +589,22 @@ class _Compiler:
             for g in reads:
                 by_index.setdefault(index(g), []).append(g)
             for k, gs in sorted(by_index.items()):
-                if len(gs) != 1:
+                where = (*path, k)
+                if any(g.shape.is_tuple for g in gs):
+                    if len(gs) == 1:
+                        walk(gs[0], where)
                     continue
-                g, where = gs[0], (*path, k)
-                if g.shape.is_tuple:
-                    walk(g, where)
+                ids = {g.id for g in gs}
+                us = [u for g in gs for u in users.get(g.id, [])]
+                upd = [u for u in us if u.opcode == "dynamic-update-slice" and u.operands[0] in ids]
+                if len(upd) != 1 or sum(o in ids for o in upd[0].operands) != 1 \
+                        or dynamic.has_dynamic(upd[0].shape):
                     continue
-                us = users.get(g.id, [])
-                upd = [u for u in us if u.opcode == "dynamic-update-slice" and u.operands[0] == g.id]
-                if len(upd) != 1 or list(upd[0].operands).count(g.id) != 1 or dynamic.has_dynamic(upd[0].shape):
-                    continue
-                # Other readers may only be dynamic slices (copies) that the update waits for.
-                before = _ancestors(upd[0], by_id)
-                if any(u is not upd[0] and (u.opcode != "dynamic-slice" or u.id not in before) for u in us):
+                # Other readers may only be dynamic slices (copies) that run before the update
+                # (steps run in program order).
+                if any(u is not upd[0] and (u.opcode != "dynamic-slice" or u.operands[0] not in ids
+                                            or sum(o in ids for o in u.operands) != 1
+                                            or order[u.id] > order[upd[0].id]) for u in us):
                     continue
                 if self._returns_to(upd[0], where, root, users):
                     self.in_place.add(upd[0].id)
@@ -1025,19 +1029,6 @@ def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) 
         dims = tuple(instr.attrs["dimensions"].ints.values) if "dimensions" in instr.attrs else ()
         return dims == tuple(range(len(dims)))
     return False
-
-
-def _ancestors(instr: ir_pb2.Instruction, by_id: dict[int, ir_pb2.Instruction]) -> set[int]:
-    """Every instruction ``instr`` depends on (through its operands)."""
-    seen: set[int] = set()
-    todo = list(instr.operands)
-    while todo:
-        o = todo.pop()
-        if o in seen or o not in by_id:
-            continue
-        seen.add(o)
-        todo.extend(by_id[o].operands)
-    return seen
 
 
 def _element(instr: ir_pb2.Instruction | None,
