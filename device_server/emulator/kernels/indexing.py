@@ -354,6 +354,23 @@ def _starts(ops: Sequence[Any], first: int, form: str, limits: Sequence[int]) ->
     return tuple(slice(min(max(v, 0), hi), min(max(v, 0), hi) + size) for v, (hi, size) in zip(values, limits, strict=True))
 
 
+def _scalar_starts(limits: Sequence[tuple[int, int]], first: int) -> Any:
+    """For one integer scalar start index per dimension (operands ``first``...): a function of
+    the operands giving the clamped slices, in Python ints (no overflow, so no int64 detour).
+    A dimension taken whole ignores its start index (it clamps to 0)."""
+    full = tuple(slice(None) if hi == 0 else None for hi, _ in limits)
+    moving = [(first + d, hi, size) for d, (hi, size) in enumerate(limits) if hi != 0]
+
+    def starts(ops: Sequence[Any]) -> tuple[slice, ...]:
+        index = list(full)
+        for k, hi, size in moving:
+            lo = min(max(int(ops[k]), 0), hi)
+            index[k - first] = slice(lo, lo + size)
+        return tuple(index)
+
+    return starts
+
+
 @register("dynamic-slice")
 def dynamic_slice(ctx: KernelContext) -> KernelFn:
     """XLA DynamicSlice: a ``slice_sizes`` block at run-time start indices, clamped so the
@@ -373,17 +390,10 @@ def dynamic_slice(ctx: KernelContext) -> KernelFn:
         return np.array(operand[_starts(ops, 1, form, limits)], copy=True)
 
     if form == "scalars":
-        # One integer scalar per dimension, clamped in Python ints (no overflow, so no int64
-        # detour). A dimension taken whole ignores its start index (it clamps to 0).
-        full = tuple(slice(None) if hi == 0 else None for hi, _ in limits)
-        moving = [(d, hi, size) for d, (hi, size) in enumerate(limits) if hi != 0]
+        starts = _scalar_starts(limits, 1)
 
         def run_scalars(ops: Sequence[Any]) -> np.ndarray:
-            index = list(full)
-            for d, hi, size in moving:
-                lo = min(max(int(ops[1 + d]), 0), hi)
-                index[d] = slice(lo, lo + size)
-            return np.asarray(ops[0])[tuple(index)].copy()
+            return np.asarray(ops[0])[starts(ops)].copy()
 
         return run_scalars
     return run
@@ -404,9 +414,15 @@ def dynamic_update_slice(ctx: KernelContext) -> KernelFn:
     form = _start_operands(ctx, 2, rank)
     limits = [(d - u, u) for d, u in zip(shape, ushape, strict=True)]
 
+    if form == "scalars":
+        starts = _scalar_starts(limits, 2)
+    else:
+        def starts(ops: Sequence[Any]) -> tuple[slice, ...]:
+            return _starts(ops, 2, form, limits)
+
     def run(ops: Sequence[Any]) -> np.ndarray:
         out = np.array(ops[0], copy=True)
-        out[_starts(ops, 2, form, limits)] = ops[1]
+        out[starts(ops)] = ops[1]
         return out
 
     if getattr(ctx, "in_place", False):
@@ -415,7 +431,7 @@ def dynamic_update_slice(ctx: KernelContext) -> KernelFn:
             out = ops[0]
             if not (isinstance(out, np.ndarray) and out.flags.writeable):
                 return run(ops)
-            out[_starts(ops, 2, form, limits)] = ops[1]
+            out[starts(ops)] = ops[1]
             return out
 
         return run_in_place
