@@ -310,7 +310,7 @@ def test_server_flag_switches_the_jit_off():
 
 
 def test_a_loop_that_does_not_compile_falls_back_to_numpy(monkeypatch, caplog):
-    def broken(source, sig, scope):
+    def broken(source, sig):
         raise RuntimeError("LLVM ran out of luck")
 
     monkeypatch.setattr(jit, "_compile", broken)
@@ -344,3 +344,34 @@ def test_sessions_running_the_same_compiled_loops_at_once_get_their_own_results(
     for k in range(4):
         for r in got[k]:
             _same(r, expected[k])
+
+
+def _scaled_chain(c: float) -> object:
+    shape = (512, 512)
+    b = eu.IRBuilder("scaled")
+    x = b.parameter(F32, shape)
+    k = b.op("broadcast", [b.constant(F32(c))], F32, shape, dimensions=[])
+    b.root(b.op("multiply", [b.op("add", [x, k], F32, shape), x], F32, shape))
+    return b.module()
+
+
+def test_chains_differing_in_constants_share_a_kernel_and_the_kernel_count_is_capped(
+        monkeypatch, caplog):
+    """Compiled code is never freed, so kernels take constants as arguments (one kernel for
+    every constant) and a process compiles at most jit.MAX_KERNELS of them."""
+    v = np.random.default_rng(7).standard_normal((512, 512)).astype(F32)
+    first = compile_module(_scaled_chain(0.5), TARGET)
+    count = jit._compiled
+    second = compile_module(_scaled_chain(-3.25), TARGET)
+    assert jit._compiled == count  # the same kernel
+    assert _fused_steps(first) == _fused_steps(second) == [True]
+    np.testing.assert_array_equal(first.run([v])[0], (v + F32(0.5)) * v)
+    np.testing.assert_array_equal(second.run([v])[0], (v + F32(-3.25)) * v)
+    monkeypatch.setattr(jit, "MAX_KERNELS", count)
+    b = eu.IRBuilder("new_kind")
+    x = b.parameter(F32, (512, 512))
+    b.root(b.op("subtract", [b.op("multiply", [x, x], F32, (512, 512)), x], F32, (512, 512)))
+    third = compile_module(b.module(), TARGET)
+    assert _fused_steps(third) == [False]
+    assert "kernels compiled in this process" in caplog.text
+    np.testing.assert_array_equal(third.run([v])[0], v * v - v)

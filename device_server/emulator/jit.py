@@ -25,7 +25,9 @@ kernels. Results therefore do not depend on whether the jit is used (tested bit 
 
 The jit is on when numba can be imported and ``TF_IPU_EMULATOR_JIT`` is not ``0``;
 :func:`set_enabled` switches it for tests. Kernels are compiled when a program is compiled and
-cached in the process by their source and signature.
+cached in the process by their source and signature; scalar constants are arguments, so chains
+of the same shape share a kernel. Compiled code is never freed (about 1 MB a kernel), so a
+process compiles at most :data:`MAX_KERNELS`; after that, new chains run as numpy blocks.
 """
 
 from __future__ import annotations
@@ -40,15 +42,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Node", "block_function", "enabled", "expression", "set_enabled"]
+__all__ = ["MAX_KERNELS", "Node", "block_function", "enabled", "expression", "set_enabled"]
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _numba: Any = None          # the numba module once imported
 _state: bool | None = None  # None: not decided yet
-_kernels: dict[tuple[str, tuple[Any, ...]], Callable[..., None]] = {}
-_MAX_CACHED = 2048  # kernels kept for reuse by later programs (oldest dropped first)
+_kernels: dict[tuple[str, str], Callable[..., None]] = {}  # by source and signature
+# Compiled machine code is never freed (numba keeps it for the life of the process, about 1 MB
+# a kernel), so a server compiles at most this many; later fused chains use numpy blocks.
+MAX_KERNELS = 1000
+_compiled = 0
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _BOOL = np.dtype(np.bool_)
@@ -229,19 +234,22 @@ def block_function(
     def shape_of(v: int) -> tuple[int, ...]:  # in the collapsed loops; -1 where n goes
         return tuple((-1 if c == 0 else sizes[c]) for c in range(len(runs)) if vary[v][c])
 
-    # Each step: (value, kernel or None, [(value, shape or None for a scalar)]).
-    steps: list[tuple[int, Callable[..., None] | None, list[tuple[int, tuple[int, ...] | None]]]] = []
+    # Each step: (value, kernel or None, [(value, shape or None for a scalar)], constants).
+    steps: list[tuple[int, Callable[..., None] | None, list[tuple[int, tuple[int, ...] | None]],
+                      list[np.ndarray]]] = []
     for compiled, v in plan:
         if not compiled:
-            steps.append((v, None, []))
+            steps.append((v, None, [], []))
             continue
         try:
-            fn, used = _make_kernel(v, n_in, nodes, dtypes, materialized - {v}, vary, consts)
+            fn, used, extra = _make_kernel(v, n_in, nodes, dtypes, materialized - {v}, vary, consts)
+        except _Full:
+            return None
         except Exception as e:  # a numba failure must not fail the program: numpy blocks
             log.warning("emulator jit: a fused loop did not compile (%s: %s); numpy runs it",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return None
-        steps.append((v, fn, [(a, shape_of(a) if any(vary[a]) else None) for a in used]))
+        steps.append((v, fn, [(a, shape_of(a) if any(vary[a]) else None) for a in used], extra))
     out_shape = shape_of(root)
     rest = sizes[1:]
 
@@ -250,7 +258,7 @@ def block_function(
         vals: list[Any] = [*blocks, *([None] * len(nodes))]
         block = (n, *inner)
         d0 = sizes[0] * n
-        for v, fn, used in steps:
+        for v, fn, used, extra in steps:
             if fn is None:
                 node = nodes[v - n_in]
                 args = [vals[a] for a in node.args]
@@ -270,7 +278,7 @@ def block_function(
                 else:
                     args.append(x.reshape(tuple(d0 if d < 0 else d for d in shape)))
             out = dst if v == root else np.empty(block, dtypes[v])
-            fn(d0, *rest, *args, out.reshape(tuple(d0 if d < 0 else d for d in out_shape)))
+            fn(d0, *rest, *args, *extra, out.reshape(tuple(d0 if d < 0 else d for d in out_shape)))
             vals[v] = out
 
     return run
@@ -284,9 +292,12 @@ def _make_kernel(
     sources: set[int],
     vary: Sequence[tuple[bool, ...]],
     consts: dict[int, Any],
-) -> tuple[Callable[..., None], list[int]]:
+) -> tuple[Callable[..., None], list[int], list[np.ndarray]]:
     """A loop nest writing value ``target`` from the values in ``sources`` (materialized;
-    those in ``consts`` are compiled in), and the values it takes as arguments, in order."""
+    those in ``consts`` are scalar constants); the values it takes as arguments, in order;
+    and the arrays of constants (one per dtype) that follow them. Constants are arguments,
+    not compiled in, so that chains of the same shape share one kernel whatever their
+    constants (each compiled kernel keeps about 1 MB of machine code for good)."""
     loops = len(vary[target])
     cone: list[int] = []
     seen: set[int] = set()
@@ -307,14 +318,16 @@ def _make_kernel(
     stmts: list[list[str]] = [[] for _ in range(loops + 1)]
     params: list[str] = []
     used: list[int] = []
-    scope: dict[str, Any] = {"np": np}
     nb = _numba
     sig_args: list[Any] = []
+    constants: dict[str, list[Any]] = {}  # dtype name -> values, read at the top
     for v in sorted(v for v in seen if v in sources):
         idx = [f"i{c}" for c in range(loops) if vary[v][c]]
         names[v] = f"v{v}"
         if v in consts:
-            scope[f"v{v}"] = consts[v]  # a global: numba compiles it in as a constant
+            values = constants.setdefault(dtypes[v].name, [])
+            stmts[0].append(f"v{v} = k_{dtypes[v].name}[{len(values)}]")
+            values.append(consts[v])
             level[v] = 0
             continue
         used.append(v)
@@ -337,6 +350,13 @@ def _make_kernel(
         # template above); it pins the type the loop computes in.
         value = node.expr.format(*(names[a] for a in node.args))
         stmts[level[v]].append(f"t{v} = np.{node.dtype.name}({value})")
+    extra = []
+    for name in sorted(constants):
+        params.append(f"k_{name}")
+        sig_args.append(nb.types.Array(nb.from_dtype(np.dtype(name)), 1, "C", readonly=True))
+        array = np.array(constants[name], np.dtype(name))
+        array.flags.writeable = False
+        extra.append(array)
     out_idx = ", ".join(f"i{c}" for c in range(loops) if vary[target][c])
     lines = [f"def kernel({', '.join([*(f'd{c}' for c in range(loops)), *params, 'out'])}):"]
     indent = "    "
@@ -349,19 +369,29 @@ def _make_kernel(
     source = "\n".join(lines) + "\n"
     sig = nb.void(*([nb.intp] * loops), *sig_args,
                   nb.types.Array(nb.from_dtype(dtypes[target]), sum(vary[target]), "C"))
-    return _compile(source, sig, scope), used
+    return _compile(source, sig), used, extra
 
 
-def _compile(source: str, sig: Any, scope: dict[str, Any]) -> Callable[..., None]:
-    """``kernel`` of ``source`` compiled for ``sig`` (cached by both, and by the constants)."""
-    consts = tuple(sorted((k, v.dtype.str, v.tobytes()) for k, v in scope.items() if k != "np"))
-    key = (source, (str(sig), consts))
+class _Full(Exception):
+    """This process has compiled as many kernels as it may (:data:`MAX_KERNELS`)."""
+
+
+def _compile(source: str, sig: Any) -> Callable[..., None]:
+    """``kernel`` of ``source`` compiled for ``sig`` (cached by both)."""
+    global _compiled
+    key = (source, str(sig))
     with _lock:
         fn = _kernels.get(key)
         if fn is None:
+            if _compiled >= MAX_KERNELS:
+                if _compiled == MAX_KERNELS:
+                    log.warning("emulator jit: %d kernels compiled in this process (about 1 MB "
+                                "each); new fused chains run as numpy calls", MAX_KERNELS)
+                    _compiled += 1
+                raise _Full()
+            scope: dict[str, Any] = {"np": np}
             exec(compile(source, "<emulator jit>", "exec"), scope)  # our own generated source
             fn = _numba.njit(sig, nogil=True, error_model="numpy", cache=False)(scope["kernel"])
-            if len(_kernels) >= _MAX_CACHED:  # programs keep their own kernels alive
-                del _kernels[next(iter(_kernels))]
+            _compiled += 1
             _kernels[key] = fn
     return fn
