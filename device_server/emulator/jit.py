@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from device_server.emulator.kernels.elementwise import COMPARE_OPERATORS, OPERATORS
+
 __all__ = ["MAX_KERNELS", "Node", "block_function", "enabled", "expression", "set_enabled"]
 
 log = logging.getLogger(__name__)
@@ -57,8 +59,6 @@ _compiled = 0
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _BOOL = np.dtype(np.bool_)
-_BINARY = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
-_COMPARE = {"EQ": "==", "NE": "!=", "LT": "<", "LE": "<=", "GT": ">", "GE": ">="}
 _LOGIC = {"and": "&", "or": "|", "xor": "^"}
 
 
@@ -103,9 +103,9 @@ def expression(
     dts = list(operand_dtypes)
     if out_dtype is None or any(d is None for d in dts):
         return None
-    if opcode in _BINARY:
+    if opcode in OPERATORS:
         if out_dtype in _FLOATS and dts == [out_dtype, out_dtype]:
-            return f"({{0}} {_BINARY[opcode]} {{1}})"
+            return f"({{0}} {OPERATORS[opcode]} {{1}})"
         return None
     if opcode in ("negate", "abs", "sqrt"):
         if out_dtype in _FLOATS and dts == [out_dtype]:
@@ -124,10 +124,10 @@ def expression(
         return None
     if opcode == "compare":
         direction = attrs.get("direction", "")
-        if direction not in _COMPARE or attrs.get("compare_type", "") == "TOTALORDER":
+        if direction not in COMPARE_OPERATORS or attrs.get("compare_type", "") == "TOTALORDER":
             return None
         if out_dtype == _BOOL and len(dts) == 2 and dts[0] == dts[1] and dts[0] in (*_FLOATS, _BOOL):
-            return f"({{0}} {_COMPARE[direction]} {{1}})"
+            return f"({{0}} {COMPARE_OPERATORS[direction]} {{1}})"
         return None
     if opcode == "select":
         if len(dts) == 3 and dts[0] == _BOOL and dts[1] == dts[2] == out_dtype \

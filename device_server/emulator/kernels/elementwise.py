@@ -359,14 +359,16 @@ def _binary(ctx: KernelContext) -> KernelFn:
         def via32(ops: Sequence[Any]) -> np.ndarray:
             return np.asarray(fn(np.asarray(ops[0], np.float32), np.asarray(ops[1], np.float32))).astype(dt)
         return via32
-    symbol = _OPERATORS.get(op)
+    symbol = OPERATORS.get(op)
     if symbol is not None and _native(dt) and ctx.out_shape == () and (dt.kind == "f" or op != "divide"):
         # Scalars: numpy scalar arithmetic is the ufunc's, without the ufunc call.
         return inline(lambda ops: fn(ops[0], ops[1]), f"({{0}} {symbol} {{1}})")
     return _ufunc_kernel(fn, 2)
 
 
-_OPERATORS = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
+# Python operators that compute these opcodes as numpy does (also used by emulator/jit.py).
+OPERATORS = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
+COMPARE_OPERATORS = {"EQ": "==", "NE": "!=", "LT": "<", "LE": "<=", "GT": ">", "GE": ">="}
 
 
 @register("and", "or", "xor")
@@ -414,7 +416,7 @@ def _compare_kernel(ctx: KernelContext) -> KernelFn:
     if dt is not None and dt.kind == "c" and direction not in ("EQ", "NE"):
         raise ValueError(f"complex numbers have no order ({direction})")
     if _native(dt) and ctx.out_shape == ():
-        symbol = {"EQ": "==", "NE": "!=", "LT": "<", "LE": "<=", "GT": ">", "GE": ">="}[direction]
+        symbol = COMPARE_OPERATORS[direction]
         return inline(lambda ops: fn(ops[0], ops[1]), f"({{0}} {symbol} {{1}})")
     return _ufunc_kernel(fn, 2)
 
