@@ -1,16 +1,26 @@
 """Benchmarks (`make bench`): ratios measured side by side in one run, warm.
 
-    python bench/run.py [--only NAME ...] [--quick]
+    python bench/run.py [--only NAME ...] [--quick] [--results DIR]
 
 Each benchmark prints one line per configuration. Absolute times on shared machines drift;
-the ratios are what to compare.
+the ratios are what to compare. What a benchmark prints (and the rows it returns, if any) is
+saved as ``bench/results/<name>.json`` with the command, the date, the machine's load
+average before and after, the CPU count and the git commit: docs/ and issue notes cite
+those files, never figures typed by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import io
+import json
 import os
+import platform
+import subprocess
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,17 +34,83 @@ BENCHES = {
     "emulator": lambda quick: __import__("bench.bench_emulator", fromlist=["main"]).main(quick),
     "conv": lambda quick: __import__("bench.bench_conv", fromlist=["main"]).main(quick),
     "models": lambda quick: __import__("bench.bench_models", fromlist=["main"]).main(quick),
+    "resident": lambda quick: __import__("bench.bench_resident", fromlist=["main"]).main(quick),
 }
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the real stdout and keeps a copy."""
+
+    def __init__(self, out: io.TextIOBase) -> None:
+        self.out = out
+        self.copy = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.out.write(text)
+        self.copy.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(RESULTS), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run_one(name: str, quick: bool, results: str | None, argv: list[str]) -> None:
+    """Runs benchmark ``name``, printing as it goes; saves what it printed under
+    ``results`` (None: not saved)."""
+    load_before = os.getloadavg()
+    started = time.time()
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        rows = BENCHES[name](quick=quick)
+    if results is None:
+        return
+    os.makedirs(results, exist_ok=True)
+    record = {
+        "benchmark": name,
+        "command": " ".join(["python", "bench/run.py", *argv]),
+        "date": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(
+            timespec="seconds"),
+        "seconds": round(time.time() - started, 1),
+        "quick": quick,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "commit": _commit(),
+        "env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "TF_IPU_EMULATOR_THREADS",
+                                             "TF_IPU_EMULATOR_JIT") if k in os.environ},
+        "output": tee.copy.getvalue().splitlines(),
+        "rows": rows if isinstance(rows, list) else None,
+    }
+    path = os.path.join(results, f"{name}{'-quick' if quick else ''}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"(saved {os.path.relpath(path)})")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="*", choices=sorted(BENCHES), default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--results", default=RESULTS,
+                        help="where to save what each benchmark printed ('' : nowhere)")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     for name in args.only or BENCHES:
-        print(f"== {name}")
-        BENCHES[name](quick=args.quick)
+        print(f"== {name}", flush=True)
+        run_one(name, args.quick, args.results or None, argv)
     return 0
 
 

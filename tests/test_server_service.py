@@ -261,9 +261,10 @@ def test_sigterm_drains_calls_in_flight_refuses_new_work_and_exits_0():
 
 
 def test_server_killed_mid_fit_then_back_resumes_from_the_checkpoint(ipu_system, tmp_path):
-    """kill -9 of the server mid-fit: a clear error at once; the server comes back on the
-    same port; fit reconnects, re-uploads from the host, resumes from BackupAndRestore's
-    checkpoint and ends exactly where an uninterrupted run ends."""
+    """kill -9 of the server mid-fit: a clear error at once, naming the last step whose
+    weights the host holds; the server comes back on the same port; fit reconnects,
+    re-uploads from the host, resumes from BackupAndRestore's checkpoint and ends exactly
+    where an uninterrupted run ends."""
     import keras
     import tensorflow as tf
 
@@ -306,6 +307,9 @@ def test_server_killed_mid_fit_then_back_resumes_from_the_checkpoint(ipu_system,
             model.fit(**fit, callbacks=[keras.callbacks.BackupAndRestore(backup), KillServer()])
         assert time.monotonic() - KillServer.killed_at < 10
         assert server.address in str(info.value)
+        # Weights stay on the device: the error says what the host holds (the sync at the
+        # end of epoch 2 = step 8; the two steps of epoch 3 were on the device only).
+        assert "The host holds the weights of step 8 (end of epoch 2)" in str(info.value)
         assert not tf_ipu.get_runtime().connected
         with pytest.raises(errors.DeviceUnavailableError, match=server.address):
             cfg.configure_ipu_system()  # still down: says so within connect_timeout

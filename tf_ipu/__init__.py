@@ -17,6 +17,18 @@ from tf_ipu.strategy import IPUStrategy
 
 __version__ = "0.1.0"
 
+
+def sync_to_host() -> int:
+    """Fetches every variable whose newest value is on the device into its host copy (fit
+    does this at every epoch end and save); returns how many were fetched.
+
+    Example:
+        >>> model.fit(x, y, epochs=1)
+        >>> tf_ipu.sync_to_host()  # doctest: +SKIP
+    """
+    return get_runtime().sync_to_host()
+
+
 get_runtime().ensure_handler()
 
-__all__ = ["IPUConfig", "IPUStrategy", "errors", "get_runtime", "__version__"]
+__all__ = ["IPUConfig", "IPUStrategy", "errors", "get_runtime", "sync_to_host", "__version__"]

@@ -199,6 +199,7 @@ class DeviceClient:
         self.address = address
         self.timeout = float(timeout)
         self.run_timeout = float(run_timeout)
+        self.last_device_seconds = 0.0  # the server's time for the last Execute
         self.client_name = client_name or f"tf_ipu pid {os.getpid()}"
         token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self._metadata = (("authorization", f"Bearer {token.strip()}"),) if token else None
@@ -645,6 +646,7 @@ class DeviceClient:
             else:
                 _fill_tensor(request.parameters.add().value, b, f"parameter {number}")
         reply = self._call("Execute", request, self.run_timeout if timeout is None else timeout)
+        self.last_device_seconds = reply.device_seconds
         outputs: list[np.ndarray | None] = []
         for i, t in enumerate(reply.outputs):
             count = 1
@@ -671,14 +673,8 @@ def _spec(s: device_pb2.TensorSpec) -> TensorSpec:
 
 
 def _fill_tensor(tensor: device_pb2.Tensor, value: Any, what: str) -> None:
-    """Packs an array into a Tensor that is already part of the request. (Building a
-    Tensor and appending it copies it again: 13 ms instead of 0.8 ms for 4 MiB.)"""
-    a = np.asarray(value, order="C")
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
+    """``dtypes.fill_tensor``, with a dtype the wire lacks reported naming ``what``."""
     try:
-        tensor.dtype = dtypes.from_numpy(a.dtype)
+        dtypes.fill_tensor(tensor, value)
     except ValueError as e:
         raise errors.InvalidArgumentError(f"{what}: {e}") from None
-    tensor.dims.extend(a.shape)
-    tensor.data = a.tobytes()

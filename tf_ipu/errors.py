@@ -19,6 +19,8 @@ the server that said it, and the server's refinement of the code (``kind``, e.g.
      |                              (UNIMPLEMENTED from a server without the method: DeviceError)
      |- FailedPreconditionError     calls in the wrong order (e.g. Compile before AttachIpus)
      |- UnauthenticatedError        the server wants a token and got none or a wrong one
+ |- DeviceStateLostError        a lost session took device-resident values the host had not
+ |                              read back yet (DATA_LOSS); names the step the host holds
      '- InternalError               a fault inside the server
 """
 
@@ -145,6 +147,15 @@ class UnauthenticatedError(_CodedError):
     CODE = "UNAUTHENTICATED"
 
 
+class DeviceStateLostError(_CodedError):
+    """The session on the device server was lost (the server died or restarted, or the
+    lease ran out) while the device held newer values of variables than the host: the
+    message names them and the last step whose weights the host holds. Raised once; from
+    then on the host's copies are the truth."""
+
+    CODE = "DATA_LOSS"
+
+
 class InternalError(_CodedError):
     """A fault inside the device server."""
 
@@ -155,7 +166,8 @@ _BY_CODE: dict[str, type[_CodedError]] = {
     cls.CODE: cls
     for cls in (DeviceUnavailableError, DeadlineExceededError, InvalidArgumentError,
                 NotFoundError, ResourceExhaustedError, UnsupportedOpError,
-                FailedPreconditionError, UnauthenticatedError, InternalError)
+                FailedPreconditionError, UnauthenticatedError, DeviceStateLostError,
+                InternalError)
 }
 
 
@@ -187,7 +199,8 @@ def from_status(code: str, message: str, address: str = "", kind: str = "") -> D
 
 
 __all__ = [
-    "DeadlineExceededError", "DeviceError", "DeviceUnavailableError", "FailedPreconditionError",
+    "DeadlineExceededError", "DeviceError", "DeviceStateLostError", "DeviceUnavailableError",
+    "FailedPreconditionError",
     "FloatingPointExceptionError",
     "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
     "ResourceExhaustedError", "UnauthenticatedError", "UnsupportedOpError", "from_status",

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
 
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
@@ -65,6 +66,55 @@ def install() -> None:
             return fn
 
         setattr(TensorFlowTrainer, attr, make)
+    _install_sync_points()
+
+
+def sync_weights(model: Any, where: str) -> None:
+    """Brings every host copy up to date with the device (``DeviceRuntime.sync_to_host``),
+    labelled with the model's step count: what a lost session would leave the host with."""
+    from tf_ipu import runtime
+
+    rt = runtime.get_runtime()
+    if not rt.connected:
+        return
+    rt.sync_to_host()
+    optimizer = getattr(model, "optimizer", None)
+    iterations = getattr(optimizer, "iterations", None)
+    step = f"step {int(iterations.numpy())}" if iterations is not None else "the last call"
+    if not rt.residency.host_holds.startswith(f"{step} ("):  # the first name of a step stays
+        rt.sync_to_host(f"{step} ({where})")
+
+
+def _install_sync_points() -> None:
+    """The host refreshes its copies at every epoch end (before the callbacks, so
+    ModelCheckpoint, BackupAndRestore and EarlyStopping see the device's values in one
+    transfer), at the end of training, and before every save of weights or of the model
+    (the checkpoints callbacks write at other frequencies)."""
+    from keras.src.callbacks.callback_list import CallbackList
+    from keras.src.models.model import Model
+
+    def at(owner: type, name: str, where: Any, model_of: Any) -> None:
+        original = getattr(owner, name)
+
+        def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            model = model_of(self)
+            if model is not None and _is_ipu_model(model):
+                sync_weights(model, where(*args, **kwargs))
+            return original(self, *args, **kwargs)
+
+        hooked.__name__ = name
+        hooked.__doc__ = original.__doc__
+        hooked.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(owner, name, hooked)
+
+    def callbacks_model(cbs: Any) -> Any:
+        return getattr(cbs, "_model", None)
+
+    at(CallbackList, "on_epoch_end", lambda epoch, *a, **k: f"end of epoch {epoch + 1}",
+       callbacks_model)
+    at(CallbackList, "on_train_end", lambda *a, **k: "end of training", callbacks_model)
+    at(Model, "save_weights", lambda *a, **k: "weights saved", lambda m: m)
+    at(Model, "save", lambda *a, **k: "model saved", lambda m: m)
 
 
 def _is_tf_iterator(obj: Any) -> bool:
@@ -259,23 +309,36 @@ class IPUStepFunction:
         n_leaves = len(tf.nest.flatten(structure))
 
         def batch_at(flat_stacked: tuple, i: Any) -> Any:
+            # One dynamic-slice per input (indexing t[i] would add strided_slice's bounds
+            # arithmetic to every step of the program).
             values: list[Any] = [None] * n_leaves
             for j, idx in enumerate(present):
-                values[idx] = flat_stacked[j][i]
+                t = flat_stacked[j]
+                start = [i] + [0] * (t.shape.rank - 1)
+                values[idx] = tf.reshape(xla.dynamic_slice(t, start, [1, *t.shape[1:]]), t.shape[1:])
             return tf.nest.pack_sequence_as(structure, values)
 
         def one_step(flat_stacked: tuple, i: Any) -> Any:
             batch = batch_at(flat_stacked, i)
             return strategy.extended.call_for_each_replica(step_fn, args=(batch,))
 
+        specs = [tf.TensorSpec([], tf.int32)] + [
+            tf.TensorSpec(t.shape, t.dtype) for t in stacked
+        ]
+        # The step's results (logs, or predictions): their structure, dtypes and shapes give
+        # the loop its initial state, so that the program holds the step once, in the loop
+        # body. Found by tracing one step in a scratch graph (not lowered, not compiled).
+        with strategy.lowering():
+            out_spec = tf.function(lambda *flat: one_step(flat, 0)).get_concrete_function(
+                *specs[1:]
+            ).structured_outputs
+        flat_spec = tf.nest.flatten(out_spec)
+
         def device_loop(n_steps: tf.Tensor, *flat_stacked: tf.Tensor) -> Any:
             with strategy.lowering():
-                out0 = one_step(flat_stacked, 0)
                 if kind == "predict":
-                    flat0 = tf.nest.flatten(out0)
                     tas = [
-                        tf.TensorArray(t.dtype, size=n, element_shape=t.shape).write(0, t)
-                        for t in flat0
+                        tf.TensorArray(t.dtype, size=n, element_shape=t.shape) for t in flat_spec
                     ]
 
                     def body(i: Any, *tas: Any) -> Any:
@@ -283,23 +346,20 @@ class IPUStepFunction:
                         return (i + 1, *[ta.write(i, o) for ta, o in zip(tas, outs, strict=True)])
 
                     _, *tas = tf.while_loop(
-                        lambda i, *_: tf.less(i, n_steps), body, (tf.constant(1), *tas)
+                        lambda i, *_: tf.less(i, n_steps), body, (tf.constant(0), *tas)
                     )
-                    return tf.nest.pack_sequence_as(out0, [ta.stack() for ta in tas])
-
-                flat_logs = tf.nest.flatten(out0)
+                    return tf.nest.pack_sequence_as(out_spec, [ta.stack() for ta in tas])
 
                 def body(i: Any, *logs: Any) -> Any:
-                    return (i + 1, *tf.nest.flatten(one_step(flat_stacked, i)))
+                    outs = tf.nest.flatten(one_step(flat_stacked, i))
+                    return (i + 1, *[tf.cast(o, t.dtype) for o, t in zip(outs, flat_spec, strict=True)])
 
+                initial = [tf.zeros(t.shape, t.dtype) for t in flat_spec]
                 _, *final = tf.while_loop(
-                    lambda i, *_: tf.less(i, n_steps), body, (tf.constant(1), *flat_logs)
+                    lambda i, *_: tf.less(i, n_steps), body, (tf.constant(0), *initial)
                 )
-                return tf.nest.pack_sequence_as(out0, final)
+                return tf.nest.pack_sequence_as(out_spec, final)
 
-        specs = [tf.TensorSpec([], tf.int32)] + [
-            tf.TensorSpec(t.shape, t.dtype) for t in stacked
-        ]
         model_name = getattr(model, "name", "model")
         name = f"{model_name}/{kind}_function[steps={n}]"
         lowered = lower_function(device_loop, specs, name)

@@ -5,36 +5,42 @@
 
 One runtime per process. It owns the connection (and the local server it may have
 started), the session and its attached IPUs, the programs registered by kernels (compiled
-lazily per session, cached by content), and the host's record of what each device-resident
-variable holds, so that:
+lazily per session, cached by content), and the record of where each variable's newest value
+is (``tf_ipu.residency``), so that:
 
-- a variable is uploaded only when the host's value differs from what the device holds
-  (first use, ``set_weights``, ``assign``, a learning-rate change, a reconnect);
-- every device call returns the new values of the variables it updated, which the traced
-  function assigns to the host variables, so host reads always see the last device call.
+- variables stay on the device between calls: a call sends its arguments and gets back its
+  results (losses, metrics, predictions), never the variables it updated;
+- a host read of a variable the device has updated (``numpy()``, ``get_weights()``, a
+  checkpoint) fetches it first (``refresh``), and ``sync_to_host`` fetches all of them, at
+  every epoch end and checkpoint (``tf_ipu.keras_integration``);
+- a host write (``assign``, ``set_weights``, a learning-rate change) marks the variable, which
+  is uploaded before the next call that uses it; no bytes are compared for variables whose
+  writes are hooked (``tf_ipu.variables``).
 - an output whose size depends on the data (a bounded dynamic shape, e.g. ``tf.boolean_mask``)
   comes back from the server at its run-time size; the kernel's buffer for it is at the
   bound, so the value fills its leading corner (zeros the rest) and its run-time dims go to
   an extra int32 output the traced function slices by (``tf_ipu.lowering.program``).
 
-The host's copies are the truth, which makes the connection disposable. When a call finds
-the server gone (UNAVAILABLE: it died, is restarting, or is shutting down) the error reaches
-the caller at once (Keras raises it from ``fit``) and the connection is dropped; the next
-device call or ``configure_ipu_system()`` connects again with the last configuration, opens
-a new session, re-attaches, recompiles programs as they are used and uploads every variable
-from the host. When a call finds the server up but the session forgotten (its lease ran out,
-or the server restarted between calls) the runtime does the same and retries the call once:
-nothing ran on the device, so nothing is lost.
+Losing the session now costs what the device held and the host had not read back, bounded by
+the sync points. When a call finds the server gone (UNAVAILABLE: it died, is restarting, or is
+shutting down) the error reaches the caller at once (Keras raises it from ``fit``), naming what
+was lost and the last step whose weights the host holds; the connection is dropped and the
+host's copies become the truth. The next device call or ``configure_ipu_system()`` connects
+again with the last configuration, opens a new session, re-attaches, recompiles programs as
+they are used and uploads every variable from the host. When a call finds the server up but
+the session forgotten (its lease ran out, or the server restarted between calls), it fails
+the same way with ``DeviceStateLostError`` if the device held newer values, else reconnects
+and retries once: nothing ran on the device, so nothing is lost.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import hashlib
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,21 +50,9 @@ from device_server.protocol import ir_pb2
 from tf_ipu import errors
 from tf_ipu.client import DeviceClient, VariableRef
 from tf_ipu.config import IPU_VERSIONS
+from tf_ipu.residency import Residency
 
 _log = logging.getLogger("tf_ipu")
-_libc = ctypes.CDLL(None)
-_libc.memcmp.restype = ctypes.c_int
-_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-
-
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.nbytes == 0:
-        return True
-    a = np.ascontiguousarray(a)
-    b = np.ascontiguousarray(b)
-    return _libc.memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
 
 
 @dataclass
@@ -77,6 +71,9 @@ class ProgramEntry:
     # Outputs of data-dependent size (the signature's "dynamic_outputs"): output index ->
     # which dims are dynamic, in the order of the kernel's extra dims outputs.
     dynamic_outputs: dict[int, tuple[bool, ...]] = field(default_factory=dict)
+    # The entry outputs the kernel has, in its order (the signature's "op_outputs"; the
+    # new values of resident variables stay on the device and are not among them).
+    op_outputs: list[int] | None = None
 
 
 @dataclass
@@ -123,9 +120,10 @@ class DeviceRuntime:
         self._config: Any = None
         self._programs: list[ProgramEntry] = []
         self._by_digest: dict[str, int] = {}
-        self._synced: dict[str, np.ndarray] = {}
+        self.residency = Residency()
         self.reports: list[CompileReport] = []
         self.device_calls = 0
+        self._stats = {"calls": 0, "client_seconds": 0.0, "device_seconds": 0.0}
 
     # -- configuration -------------------------------------------------------------------
     @property
@@ -200,7 +198,7 @@ class DeviceRuntime:
             self._client = client
             self._config = cfg
             self._config_key = key
-            self._synced.clear()
+            self.residency.lose_session()  # all stale values were fetched by _disconnect
             for entry in self._programs:
                 entry.executable_id = None
             self.ensure_handler()
@@ -215,28 +213,41 @@ class DeviceRuntime:
                 _log.info("tf_ipu: reconnecting to the device server")
             self.configure(self._config if self._config is not None else IPUConfig())
 
-    def _drop_connection(self, error: errors.DeviceError) -> None:
+    def _drop_connection(self, error: errors.DeviceError) -> errors.DeviceError:
         """Forgets a connection whose server is gone or forgot the session; the next
-        device call (or ``configure``) makes a new one and re-uploads every variable."""
+        device call (or ``configure``) makes a new one and re-uploads every variable.
+        Returns the error to raise (naming what was lost), or ``error`` itself."""
         client = self._client
         if client is None:
-            return
+            return error
+        lost = self.residency.lose_session()
         _log.warning(
-            "tf_ipu: lost the session on the device server at %s (%s: %s); the next device "
-            "call reconnects and uploads every variable again from the host's copies",
+            "tf_ipu: lost the session on the device server at %s (%s: %s); %s The next "
+            "device call reconnects and uploads every variable again from the host's copies.",
             client.address, error.code, error.message,
+            lost.describe() if lost else "nothing was lost.",
         )
         client.abandon()
         self._client = None
         self._config_key = None
-        self._synced.clear()
         for entry in self._programs:
             entry.executable_id = None
+        if lost is None:
+            return error
+        text = f"{error.message}; lost with the session: {lost.describe()}"
+        if error.code == "UNAVAILABLE":
+            return type(error)(text, error.address, error.kind) if isinstance(
+                error, errors._CodedError) else errors.DeviceError(error.code, text, error.address, error.kind)
+        return errors.DeviceStateLostError(
+            f"The session on the device server was lost ({error.code}: {error.message}); "
+            f"{lost.describe()}", error.address, "device-state-lost",
+        )
 
     def _on_device(self, fn: Any) -> Any:
         """Runs ``fn()`` (device calls through ``self.client``) with the connection rules of
         the module docstring: a lost server drops the connection and raises; a forgotten
-        session drops it, reconnects and retries once."""
+        session drops it and raises if the device held newer values, else reconnects and
+        retries once."""
         for attempt in (0, 1):
             self.ensure_configured()
             try:
@@ -244,9 +255,9 @@ class DeviceRuntime:
             except errors.DeviceError as e:
                 if not _connection_lost(e):
                     raise
-                self._drop_connection(e)
-                if attempt or e.code == "UNAVAILABLE":
-                    raise
+                raised = self._drop_connection(e)
+                if attempt or e.code == "UNAVAILABLE" or raised is not e:
+                    raise raised from None
         raise AssertionError("unreachable")
 
     def _ensure_local_server(self) -> str:
@@ -262,6 +273,12 @@ class DeviceRuntime:
 
     def _disconnect(self) -> None:
         if self._client is not None:
+            try:
+                # Nothing is lost by a close: fetch what only the device holds first.
+                self._refresh_keys(self.residency.stale_keys(), guarded=False)
+            except Exception as e:  # the server may be gone: what it held is lost then
+                _log.warning("tf_ipu: could not read the device's variables back before "
+                             "closing the session: %s", e)
             try:
                 self._client.close()
             except Exception:  # the server may be gone; nothing to release then
@@ -304,6 +321,7 @@ class DeviceRuntime:
                     int(d["output"]): tuple(bool(f) for f in d["dynamic"])
                     for d in sig.get("dynamic_outputs", ())
                 },
+                op_outputs=[int(k) for k in sig["op_outputs"]] if "op_outputs" in sig else None,
             )
             self._programs.append(entry)
             pid = len(self._programs) - 1
@@ -380,8 +398,11 @@ class DeviceRuntime:
                     f"{entry.name}: the kernel passed {len(inputs)} inputs, the program "
                     f"has {len(entry.params)} parameters."
                 )
+            start = time.perf_counter()
             results = self._on_device(lambda: self._run(entry, inputs))
             self.device_calls += 1
+            if entry.op_outputs is not None:
+                results = [results[k] for k in entry.op_outputs]
             n_dims = len(entry.dynamic_outputs)
             if len(results) + n_dims != len(outputs):
                 raise errors.DeviceError(
@@ -402,39 +423,164 @@ class DeviceRuntime:
                     )
             for k, dims in zip(entry.dynamic_outputs, outputs[len(results):], strict=True):
                 dims[...] = results[k].shape
+            self._stats["calls"] += 1
+            self._stats["client_seconds"] += time.perf_counter() - start
+            self._stats["device_seconds"] += self.client.last_device_seconds
+
+    def call_stats(self) -> dict[str, float]:
+        """Device calls so far: how many, their wall time as this runtime saw them (entry
+        into ``execute`` to its return) and the time the server spent running them."""
+        with self._lock:
+            return dict(self._stats)
 
     def _run(self, entry: ProgramEntry, inputs: list[np.ndarray]) -> list[Any]:
-        """One device call: compile if needed, upload the variables whose host value differs
-        from the device's, execute. Keeps ``_synced`` true to what the device holds."""
+        """One device call: compile if needed, upload the variables the host wrote (or the
+        device does not hold), execute. Updated variables stay on the device."""
         self._compile_entry(entry)
+        res = self.residency
         bindings: list[Any] = []
         writes: dict[str, np.ndarray] = {}
-        for value, param in zip(inputs, entry.params, strict=True):
+        states: dict[int, Any] = {}
+        for number, (value, param) in enumerate(zip(inputs, entry.params, strict=True)):
             if param["kind"] == "var":
-                key = param["key"]
-                held = self._synced.get(key)
-                if held is None or not _same_bytes(held, value):
-                    writes[key] = np.array(value, copy=True)
-                bindings.append(VariableRef(key))
+                st = res.get(param["key"])
+                states[number] = st
+                if res.needs_upload(st, value):
+                    writes[st.key] = np.array(value, copy=True)
+                bindings.append(VariableRef(st.key))
             else:
                 bindings.append(value)
+        # Watched variables the traced call assigns on the host need their new values back.
+        want_back = any(
+            states[p].watched for p in entry.aliases.values() if p in states
+        )
         try:
             if writes:
                 self.client.write_variables(writes)
-                self._synced.update(writes)
+                for key, value in writes.items():
+                    res.uploaded(res.states[key], value)
             results = self.client.execute(
-                entry.executable_id, bindings, return_updated_variables=True
+                entry.executable_id, bindings, return_updated_variables=want_back
             )
-        except errors.DeviceError:
-            # The call may have run partly (e.g. a deadline passed while it ran): the device
-            # values are uncertain, so the next call uploads every variable again.
-            self._synced.clear()
+        except errors.DeviceError as e:
+            if not _connection_lost(e):
+                # The call may have run partly (e.g. a deadline passed while it ran): the
+                # device's values are uncertain, so the next call uploads the host's again.
+                for st in states.values():
+                    if not st.stale:
+                        st.on_device = False
             raise
         for out_index, param_index in entry.aliases.items():
-            param = entry.params[param_index]
-            if param["kind"] == "var":
-                self._synced[param["key"]] = results[out_index]
+            st = states.get(param_index)
+            if st is not None:
+                res.device_updated(st, results[out_index] if st.watched else None)
         return results
+
+    # -- variables: host copies on demand ----------------------------------------------------
+    def track(self, variable: Any) -> None:
+        """Registers a host variable whose reads and writes ``tf_ipu.variables`` hooks."""
+        from tf_ipu.lowering.program import variable_key
+
+        with self._lock:
+            self.residency.track(variable_key(variable), variable)
+
+    def note_host_write(self, variable: Any) -> None:
+        """The host wrote ``variable``: upload it before the next call that uses it."""
+        from tf_ipu.lowering.program import variable_key
+
+        with self._lock:
+            self.residency.note_host_write(variable_key(variable))
+
+    def forget_device_value(self, variable: Any) -> None:
+        """The host is about to overwrite ``variable`` whole: no need to fetch it first."""
+        from tf_ipu.lowering.program import variable_key
+
+        with self._lock:
+            st = self.residency.states.get(variable_key(variable))
+            if st is not None:
+                st.stale = False
+
+    def watch(self, variable: Any) -> None:
+        """From now on, compare ``variable``'s bytes before each call (its writes are not
+        hooked: a CPU graph may make them)."""
+        from tf_ipu.lowering.program import variable_key
+
+        with self._lock:
+            self.residency.get(variable_key(variable)).watched = True
+
+    def refresh(self, variables: Any) -> None:
+        """Brings the host copies of ``variables`` up to date with the device (one
+        ReadVariables call for those the device holds newer values of; none otherwise)."""
+        from tf_ipu.lowering.program import variable_key
+
+        with self._lock:
+            keys = self.residency.stale_keys([variable_key(v) for v in variables])
+            if keys:
+                self._refresh_keys(keys)
+
+    def sync_to_host(self, label: str | None = None) -> int:
+        """Brings every host copy up to date; ``label`` (e.g. "step 120 (end of epoch 3)")
+        then names what the host holds, in the error a lost session raises. Returns the
+        number of variables fetched."""
+        with self._lock:
+            keys = self.residency.stale_keys()
+            if keys:
+                self._refresh_keys(keys)
+            if label is not None:
+                self.residency.host_holds = label
+            return len(keys)
+
+    def _refresh_keys(self, keys: list[str], guarded: bool = True) -> None:
+        """Reads ``keys`` from the device (in messages of at most a quarter of the message
+        limit) and writes them into their host variables, without marking them written.
+        ``guarded``: with the connection rules of ``_on_device`` (else errors pass as
+        they are)."""
+        client = self._client
+        if not keys or client is None:
+            return
+        import tensorflow as tf
+        from tensorflow.python.ops import gen_resource_variable_ops
+
+        res = self.residency
+        session = client.session
+        limit = max(1, (session.max_message_bytes if session and session.max_message_bytes > 0
+                        else 1 << 30) // 4)
+        batch: list[str] = []
+        batch_bytes = 0
+
+        def flush() -> None:
+            if not batch:
+                return
+            read = lambda: self.client.read_variables(batch)  # noqa: E731
+            values = self._on_device(read) if guarded else read()
+            for key in batch:
+                st = res.states[key]
+                var = st.variable()
+                value = values[key]
+                if var is not None:
+                    with tf.init_scope():
+                        gen_resource_variable_ops.assign_variable_op(
+                            var.handle, tf.constant(value, dtype=var.dtype)
+                        )
+                res.refreshed(st, int(value.nbytes))
+            batch.clear()
+
+        for key in keys:
+            var = res.states[key].variable()
+            nbytes = 0 if var is None else int(np.prod(var.shape)) * var.dtype.size
+            if batch and batch_bytes + nbytes > limit:
+                flush()
+                batch_bytes = 0
+            batch.append(key)
+            batch_bytes += nbytes
+        flush()
+
+    def counters(self) -> dict[str, int]:
+        """The host side's transfer counters: ``host_bytes_compared``,
+        ``variable_bytes_uploaded``, ``variable_bytes_refreshed``, ``variables_refreshed``,
+        ``device_calls``."""
+        with self._lock:
+            return {**self.residency.counters, "device_calls": self.device_calls}
 
 
 def _fill_corner(out: np.ndarray, value: np.ndarray, dynamic: tuple[bool, ...], what: str) -> None:

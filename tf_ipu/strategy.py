@@ -5,9 +5,10 @@
     strategy.run(fn, args)  inside a tf.function (e.g. a serving function to save)
         -> fn lowered for the concrete args -> one IpuExecute op in the traced graph
 
-Variables created in the scope live on the host (the CPU) as ordinary TF variables and are
-mirrored on the device: device calls update the host copies as they finish, and host writes
-reach the device before the next call.
+Variables created in the scope are ``tf_ipu.variables.IPUVariable``s: ordinary TF resource
+variables on the host whose newest value lives on the device once a device call has updated
+them. A host read fetches it (on demand, and at every epoch end and checkpoint); a host
+write reaches the device before the next call.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended
 
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
@@ -27,6 +29,15 @@ _state = threading.local()
 
 def _lowering_depth() -> int:
     return getattr(_state, "depth", 0)
+
+
+class _IPUExtended(OneDeviceExtended):
+    """OneDeviceExtended whose variables are IPUVariables (device-resident)."""
+
+    def _create_variable(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+        from tf_ipu.variables import make_ipu_variable
+
+        return make_ipu_variable(super()._create_variable(next_creator, **kwargs))
 
 
 class IPUStrategy(tf.distribute.OneDeviceStrategy):
@@ -47,6 +58,7 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
 
     def __init__(self, config: Any = None) -> None:
         super().__init__("/device:CPU:0")
+        self.extended.__class__ = _IPUExtended
         self._ipu_config = config
         self._run_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         from tf_ipu import keras_integration

@@ -40,7 +40,7 @@ import importlib.util
 import keyword
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,7 @@ def _arity(opcode: str) -> int | None:
 
 
 # Words the generated code may contain besides names it defines and its globals.
-_SAFE_WORDS = frozenset(keyword.kwlist) | {"run", "args", "e", "x", "Exception", "out"}
+_SAFE_WORDS = frozenset(keyword.kwlist) | {"run", "args", "e", "x", "Exception", "out", "d"}
 _GENERATED = re.compile(r"(p|v|u|k|s)[0-9]+|g[0-9]+_[A-Za-z0-9_]+|[0-9][A-Za-z0-9_]*")
 
 __all__ = ["CompileOptions", "Executable", "compile_module", "literal_to_value"]
@@ -313,8 +313,10 @@ class Program:
         self.source, self._call = _generate(name, self.steps, instrs, consts, param_slots,
                                             root_slot, big_slots, scalar_params)
 
-    def __call__(self, args: Sequence[Any]) -> Any:
-        return self._call(args)
+    def __call__(self, args: Sequence[Any], donated: frozenset[int] = frozenset()) -> Any:
+        """Runs the computation; ``donated``: entry parameters whose buffers it may write
+        its aliased outputs into (``mark_donations``)."""
+        return self._call(args, donated)
 
 
 @dataclass
@@ -327,6 +329,10 @@ class _Step:
     template: str | None = None          # an inline expression, see kernels.inline
     names: dict[str, Any] | None = None  # globals the template refers to
     into: int = -1                       # >= 0: ``fn.ufunc(*ops, out=ops[into])``
+    # >= 0: a fused step writing the value of an entry parameter that the caller donates
+    # (an aliased variable) may write into that operand's buffer: ``fn(ops, ops[donate])``.
+    donate: int = -1
+    donate_param: int = -1                # the entry parameter number of ops[donate]
 
 
 _FIRST_STEP_LINE = 4  # line of the first step in the generated source (1-based)
@@ -367,7 +373,7 @@ def _generate(
         if s != root_slot and s not in consts:
             dels[k].append(var[s])
 
-    lines = ["def run(args):"]
+    lines = ["def run(args, d=()):"]
     if param_slots:
         # Scalar parameters become numpy scalars: arithmetic on 0-d arrays is much slower.
         unpack = ", ".join(var[s] for s in param_slots) + ", = args"
@@ -391,6 +397,11 @@ def _generate(
                 names[key] = f"g{k}_{key}"
                 g[names[key]] = value
             expr = st.template.format(*ops, **names)
+        elif st.donate >= 0:
+            g[f"k{k}"] = st.fn
+            ops = [var[s] for s in st.ins]
+            expr = (f"k{k}([{', '.join(ops)}], {ops[st.donate]} if {st.donate_param} in d "
+                    f"else None)")
         else:
             g[f"k{k}"] = st.fn
             expr = f"k{k}([{', '.join(var[s] for s in st.ins)}])"
@@ -857,6 +868,10 @@ class _Compiler:
         consts_now = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
         raw_steps = self._fuse(raw_steps, slot_dims, slot_dtypes, consts_now, root_slot)
         _reuse_buffers(raw_steps, root_slot)
+        if comp.id == self.module.entry_computation_id and self.module.aliases:
+            _mark_donations(raw_steps, by_id[comp.root_id], root_slot, params, slot_dims,
+                            {int(a.output_index): int(a.parameter_number)
+                             for a in self.module.aliases})
         param_instrs = [i for i in live if i.opcode == "parameter"]
         big = frozenset(
             step.out for step, instr in raw_steps if _static_nbytes(instr.shape) >= _DROP_BYTES
@@ -1242,6 +1257,48 @@ def _reuse_buffers(steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int
                 break
 
 
+def _mark_donations(steps: list[tuple[_Step, ir_pb2.Instruction]], root: ir_pb2.Instruction,
+                    root_slot: int, params: dict[int, int], dims: dict[int, Any],
+                    aliases: dict[int, int]) -> None:
+    """Lets the fused step that makes an aliased output write it into its parameter's buffer
+    when the caller donates that parameter (a resident variable: XLA's donated buffers).
+
+    Safe when the step reads the parameter element by element at the output's own index (a
+    full-shaped input of an element-wise fused group), no later step reads the parameter, and
+    the parameter is not itself an output. Sets ``_Step.donate``; nothing changes for
+    callers that donate nothing."""
+    if root.opcode != "tuple" or not root.shape.is_tuple:
+        return
+    root_step = next((st for st, _ in steps if st.out == root_slot), None)
+    if root_step is None:
+        return
+    outputs = root_step.ins
+    if any(leaf.is_tuple for leaf in root.shape.tuple_shapes):
+        return  # nested tuples: flat output indices do not map to the root's operands
+    position = {st.out: k for k, (st, _) in enumerate(steps)}
+    last_read: dict[int, int] = {}
+    for k, (st, _) in enumerate(steps):
+        for slot in st.ins:
+            last_read[slot] = k
+    for out_index, number in aliases.items():
+        if not 0 <= out_index < len(outputs) or number not in params:
+            continue
+        p_slot, out_slot = params[number], outputs[out_index]
+        k = position.get(out_slot)
+        if k is None or p_slot in outputs:
+            continue
+        st = steps[k][0]
+        fused = getattr(st.fn, "fused_inputs", None)
+        if fused is None or st.ins.count(p_slot) != 1:
+            continue
+        j = st.ins.index(p_slot)
+        if not fused[j] or dims.get(p_slot) != dims.get(out_slot):
+            continue
+        if any(p_slot in other.ins for other, _ in steps[k + 1:] if other is not root_step):
+            continue
+        st.donate, st.donate_param = j, number
+
+
 def _reshaper(shape: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
     return kernels.shapes.reshape_kernel(shape)
 
@@ -1323,14 +1380,26 @@ class Executable:
             out.append(a)
         return out
 
-    def run(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Runs the program; returns the flattened entry result as C-contiguous arrays."""
+    def run(self, args: Sequence[np.ndarray], donated: Iterable[int] = ()) -> list[np.ndarray]:
+        """Runs the program; returns the flattened entry result as C-contiguous arrays.
+
+        ``donated``: entry parameters (aliased to outputs) whose buffers the caller gives
+        up, as XLA's donated buffers: the program may write the aliased output into the
+        parameter's array (then that output *is* the array). Each must be a writable,
+        C-contiguous array not passed for any other parameter.
+        """
         checked = self._check_args(args)
+        give = frozenset(
+            n for n in donated
+            if n in self.aliases.values() and checked[n].flags.writeable
+            and checked[n].flags.c_contiguous
+            and not any(a is checked[n] for m, a in enumerate(checked) if m != n)
+        )
         with np.errstate(all="ignore"):
             if self._runner is None:
-                result = self._program(checked)
+                result = self._program(checked, give)
             else:
-                result = self._runner(lambda: self._program(checked))
+                result = self._runner(lambda: self._program(checked, give))
         flat = _flatten(result) if self._root_is_tuple else [result]
         outs = []
         for k, (value, (dt, shape)) in enumerate(zip(flat, self.outputs, strict=True)):

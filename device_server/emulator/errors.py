@@ -63,6 +63,8 @@ _NON_LAYER_SCOPES = {
 
 
 _UNIQUIFIED = re.compile(r"^(.+)_\d+$")
+# Leading scopes of control flow around the model's ops (the device loop's ``while``).
+_CONTROL_SCOPES = re.compile(r"^(while|cond|body)(_\d+)?$")
 
 
 def layer_of(source_op: str) -> str:
@@ -79,6 +81,8 @@ def layer_of(source_op: str) -> str:
     model scope carries such a ``_<n>`` suffix, one suffix is removed from the layer scope.
     """
     parts = [p for p in source_op.split("/") if p]
+    while len(parts) > 1 and _CONTROL_SCOPES.match(parts[0]):
+        parts = parts[1:]  # ``while/sequential/dense/MatMul``: a step in the device loop
     backward = bool(parts) and parts[0] in _BACKWARD_SCOPES
     if backward:
         parts = parts[1:]

@@ -219,7 +219,10 @@ def fused_kernel(
             [jit.Node(m.expr, m.args, np.dtype(m.dtype), _numpy_runner(m)) for m in members],
         )
 
-    def run(ops: Sequence[Any]) -> np.ndarray:
+    def run(ops: Sequence[Any], into: np.ndarray | None = None) -> np.ndarray:
+        """``into``: a C-contiguous array of the result's dtype and shape to write the
+        result into; it may be one of the full-shaped inputs (each block reads its own
+        elements before writing them), as for a donated parameter."""
         src = []
         for v, view in zip(ops, views, strict=True):
             if view is not None:
@@ -227,7 +230,10 @@ def fused_kernel(
                 if compiled is not None:
                     v = np.ascontiguousarray(v)  # compiled loops take C-ordered arrays
             src.append(v)
-        out = np.empty((rows, *inner), dtype)
+        if into is not None and not (into.dtype == dtype and into.shape == tuple(shape)
+                                     and into.flags.c_contiguous and into.flags.writeable):
+            into = None
+        out = np.empty((rows, *inner), dtype) if into is None else into.reshape((rows, *inner))
 
         def block(i: int) -> None:
             a = starts[i]
@@ -250,9 +256,13 @@ def fused_kernel(
                 dst[...] = last.fn(args)
 
         parallel.run_parts(block, len(starts))
-        return out.reshape(shape)
+        return out.reshape(shape) if into is None else into
 
     run.jit = compiled is not None  # type: ignore[attr-defined]
+    # Which inputs are read at the result's own index (full shape): they may be ``into``.
+    run.fused_inputs = tuple(  # type: ignore[attr-defined]
+        bool(f) and tuple(v[1:]) == tuple(inner) for v, f in zip(views, full, strict=True)
+    )
     return run
 
 

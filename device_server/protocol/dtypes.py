@@ -1,9 +1,12 @@
 """Conversions between numpy arrays and the wire/IR types (``ir_pb2.DType``, ``Tensor``).
 
 Everything crosses the wire as raw little-endian bytes plus a dtype and dims: no pickle.
+``fill_tensor`` encodes and ``from_tensor`` decodes, for the client and the server alike.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -55,12 +58,26 @@ def dtype_name(dtype: int) -> str:
     return ir_pb2.DType.Name(dtype) if dtype in ir_pb2.DType.values() else f"dtype#{dtype}"
 
 
-def to_tensor(array: np.ndarray) -> device_pb2.Tensor:
-    """Packs a numpy array into a wire ``Tensor`` (row-major, little-endian)."""
+def fill_tensor(tensor: device_pb2.Tensor, array: Any, with_data: bool = True) -> None:
+    """Packs an array into a wire ``Tensor`` that is already part of a message (row-major,
+    little-endian; building a Tensor and appending it would copy the data once more: ~13 ms
+    per 4 MiB). ``with_data=False`` sends dtype and dims only (a value that stays on the
+    device). The one encoder of the protocol: the client and the server both use it.
+    Raises ``DTypeError`` for a dtype the wire does not have."""
     a = np.asarray(array, order="C")
-    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-    a = a.astype(dt, copy=False)
-    return device_pb2.Tensor(dtype=from_numpy(a.dtype), dims=a.shape, data=a.tobytes())
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    tensor.dtype = from_numpy(a.dtype)
+    tensor.dims.extend(a.shape)
+    if with_data:
+        tensor.data = a.tobytes()
+
+
+def to_tensor(array: np.ndarray) -> device_pb2.Tensor:
+    """Packs a numpy array into a new wire ``Tensor`` (see ``fill_tensor``)."""
+    tensor = device_pb2.Tensor()
+    fill_tensor(tensor, array)
+    return tensor
 
 
 def from_tensor(tensor: device_pb2.Tensor, *, what: str = "tensor") -> np.ndarray:

@@ -83,11 +83,13 @@ class LoweredProgram:
     arg_specs: list[tf.TensorSpec]
     variables: list[tf.Variable]        # in parameter order, after the arguments
     constants: list[tf.Tensor]          # captured non-variable tensors, after the variables
-    output_dtypes: list[tf.DType]       # the flattened entry result
-    output_shapes: list[tf.TensorShape]
+    output_dtypes: list[tf.DType]       # the kernel's outputs: the flattened entry result
+    output_shapes: list[tf.TensorShape] # but for resident variables' new values (see updates)
     num_results: int                    # leading outputs that are the function's results
     result_structure: Any               # nest structure of the function's results
-    updates: list[tuple[int, tf.Variable]] = field(default_factory=list)  # (output, variable)
+    # (entry output, variable) for every variable the program updates; the new values of
+    # IPUVariables stay on the device, the others are kernel outputs assigned on the host.
+    updates: list[tuple[int, tf.Variable]] = field(default_factory=list)
     module: ir_pb2.Module | None = None
     captured_kinds: list[str] = field(default_factory=list)  # "var"/"const", capture order
     # TF's dtype of each result where XLA's differs (a complex eigh's eigenvalues are real
@@ -96,6 +98,7 @@ class LoweredProgram:
     # Results of data-dependent size, in the order of the op's extra dims outputs (see the
     # module docstring); empty for static programs.
     dynamic_outputs: list[DynamicOutput] = field(default_factory=list)
+    op_outputs: list[int] = field(default_factory=list)  # entry output of each kernel output
 
     @property
     def digest(self) -> str:
@@ -145,6 +148,8 @@ def lower_function(
     module = hlo_module_to_ir(hlo)
     module.name = name
 
+    from tf_ipu.variables import IPUVariable
+
     by_handle = {id(v.handle): v for v in concrete.variables}
     params: list[dict[str, Any]] = [{"kind": "arg", "index": i} for i in range(len(arg_specs))]
     ordered_vars: list[tf.Variable] = []
@@ -153,7 +158,8 @@ def lower_function(
         var = by_handle.get(id(captured))
         if var is not None:
             ordered_vars.append(var)
-            params.append({"kind": "var", "key": variable_key(var), "name": var.name})
+            params.append({"kind": "var", "key": variable_key(var), "name": var.name,
+                           "resident": isinstance(var, IPUVariable)})
         elif captured.dtype == tf.resource:
             raise ValueError(
                 f"{name}: the function captures a resource that is not a variable "
@@ -202,6 +208,10 @@ def lower_function(
                 f"tf.boolean_mask(x, mask)), or return the value from the function."
             )
         updates.append((alias.output_index, var))
+    # The kernel's outputs: all entry outputs but the new values of resident variables,
+    # which stay on the device (host reads fetch them: tf_ipu.variables).
+    resident_outputs = {o for o, v in updates if isinstance(v, IPUVariable)}
+    op_outputs = [k for k in range(len(out_shapes)) if k not in resident_outputs]
 
     dynamic_outputs: list[DynamicOutput] = []
     for k, flags in enumerate(out_dynamic):
@@ -222,6 +232,8 @@ def lower_function(
 
     sig: dict[str, Any] = {"version": 1, "name": name, "params": params,
                            "num_results": num_results}
+    if resident_outputs:
+        sig["op_outputs"] = op_outputs
     if dynamic_outputs:
         sig["dynamic_outputs"] = [
             {"output": d.index, "dynamic": list(d.dynamic)} for d in dynamic_outputs
@@ -234,8 +246,8 @@ def lower_function(
         arg_specs=list(arg_specs),
         variables=ordered_vars,
         constants=ordered_consts,
-        output_dtypes=[tf.as_dtype(wire_dtypes.to_numpy(d)) for d, _ in out_shapes],
-        output_shapes=[tf.TensorShape(s) for _, s in out_shapes],
+        output_dtypes=[tf.as_dtype(wire_dtypes.to_numpy(out_shapes[k][0])) for k in op_outputs],
+        output_shapes=[tf.TensorShape(out_shapes[k][1]) for k in op_outputs],
         num_results=num_results,
         result_structure=holder["structure"],
         updates=updates,
@@ -246,6 +258,7 @@ def lower_function(
             if t.dtype != tf.as_dtype(wire_dtypes.to_numpy(d))
         },
         dynamic_outputs=dynamic_outputs,
+        op_outputs=op_outputs,
     )
 
 
@@ -300,6 +313,7 @@ def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
     output, and is sliced to them here (module docstring).
     """
     import tf_ipu_ops
+    from tensorflow.python.ops import gen_resource_variable_ops
 
     from tf_ipu import runtime
 
@@ -309,7 +323,10 @@ def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
     consts_iter = iter(lowered.constants)
     for kind in lowered.captured_kinds:
         if kind == "var":
-            inputs.append(next(vars_iter).read_value())
+            # The host buffer as it is (no refresh from the device: the runtime uploads it
+            # only if the host wrote it since).
+            var = next(vars_iter)
+            inputs.append(gen_resource_variable_ops.read_variable_op(var.handle, var.dtype))
         else:
             inputs.append(next(consts_iter))
     dyn = lowered.dynamic_outputs
@@ -321,10 +338,12 @@ def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
         program=lowered.program,
         signature=lowered.signature,
     )
+    position = {k: i for i, k in enumerate(lowered.op_outputs)}
     for index, var in lowered.updates:
-        var.assign(outs[index])
+        if index in position:  # not resident: the device sent it back
+            var.assign(outs[position[index]])
     results = list(outs[: lowered.num_results])
-    n_outputs = len(lowered.output_dtypes)
+    n_outputs = len(lowered.op_outputs)
     for d, dims in zip(dyn, outs[n_outputs:], strict=True):
         value = tf.slice(results[d.index], tf.zeros_like(dims), dims)
         value.set_shape(d.shape)

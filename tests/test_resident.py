@@ -1,0 +1,231 @@
+"""Weights stay on the device: host reads fetch them on demand, host writes reach the device,
+nothing crosses the wire that the host did not ask for, updates happen in place, and the
+device loop holds the step once.
+
+Tolerances as in the end-to-end tests: losses within 1e-4 relative, weights within 1e-3
+relative L2 of the same training on CPU.
+"""
+
+from __future__ import annotations
+
+import grpc
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ipu
+from device_server.protocol import device_pb2, device_pb2_grpc
+from tests.keras_util import classification_data, mlp, rel_l2, small_cnn
+from tf_ipu.lowering.program import lower_function
+
+
+@pytest.fixture(scope="module")
+def strategy(ipu_system):
+    return tf_ipu.IPUStrategy()
+
+
+def _pair(strategy, spe, build=mlp, optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9)):
+    keras.utils.set_random_seed(3)
+    ref = build()
+    ref.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy",
+                steps_per_execution=spe)
+    with strategy.scope():
+        ipu = build()
+        ipu.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy",
+                    steps_per_execution=spe)
+    ipu.set_weights(ref.get_weights())
+    return ref, ipu
+
+
+def _close(got, want, what):
+    assert len(got) == len(want), what
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert rel_l2(a, b) <= 1e-3, f"{what}[{k}]: rel L2 {rel_l2(a, b)}"
+
+
+def _server(rt):
+    return rt.client.counters()
+
+
+class _KernelReads(keras.callbacks.Callback):
+    """Reads a kernel in every on_train_batch_end (a host read between device calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(self.model.layers[0].kernel.numpy().copy())
+
+
+@pytest.mark.parametrize("spe", [1, 8])
+def test_every_host_read_sees_the_last_device_call(strategy, spe, tmp_path):
+    x, y = classification_data(160, (16,), seed=11)  # 10 batches of 16
+    ref, ipu = _pair(strategy, spe)
+    fit = dict(batch_size=16, epochs=3, shuffle=False, verbose=0, validation_data=(x[:32], y[:32]))
+    cb_ref, cb_ipu = _KernelReads(), _KernelReads()
+
+    def callbacks(model, cb, tag):
+        return [cb,
+                keras.callbacks.ModelCheckpoint(str(tmp_path / f"{tag}.weights.h5"),
+                                                save_weights_only=True),
+                keras.callbacks.ModelCheckpoint(str(tmp_path / f"{tag}-b.keras"), save_freq=3),
+                # val_loss falls, so "max" keeps epoch 0 as the best: training stops after
+                # epoch 1 and the weights of epoch 0 come back (read, then written).
+                keras.callbacks.EarlyStopping("val_loss", patience=1, restore_best_weights=True,
+                                              mode="max")]
+
+    h_ref = ref.fit(x, y, callbacks=callbacks(ref, cb_ref, "ref"), **fit).history
+    h_ipu = ipu.fit(x, y, callbacks=callbacks(ipu, cb_ipu, "ipu"), **fit).history
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(h_ipu[key], h_ref[key], rtol=1e-4, err_msg=key)
+    assert len(h_ipu["loss"]) == len(h_ref["loss"]) == 2  # EarlyStopping stopped both
+    # A kernel read in on_train_batch_end, once per device call: the last call's value.
+    assert len(cb_ipu.seen) == len(cb_ref.seen) == 2 * -(-10 // spe)
+    _close(cb_ipu.seen, cb_ref.seen, "kernel in on_train_batch_end")
+    # get_weights, a layer's kernel, after EarlyStopping restored the best weights.
+    _close(ipu.get_weights(), ref.get_weights(), "get_weights")
+    _close([ipu.layers[2].kernel.numpy()], [ref.layers[2].kernel.numpy()], "kernel.numpy()")
+    # Checkpoints written by the callbacks (at epoch ends and every 3 batches).
+    for tag_file in ("{}.weights.h5",):
+        a, b = mlp(), mlp()
+        a.load_weights(str(tmp_path / tag_file.format("ipu")))
+        b.load_weights(str(tmp_path / tag_file.format("ref")))
+        _close(a.get_weights(), b.get_weights(), "ModelCheckpoint weights")
+    a = keras.models.load_model(str(tmp_path / "ipu-b.keras"))
+    b = keras.models.load_model(str(tmp_path / "ref-b.keras"))
+    _close(a.get_weights(), b.get_weights(), "ModelCheckpoint(save_freq=3) model")
+    _close(a.optimizer.variables, b.optimizer.variables, "ModelCheckpoint optimizer state")
+    # save_weights, model.save, evaluate after fit, a SavedModel export.
+    ipu.save_weights(str(tmp_path / "w.weights.h5"))
+    ipu.save(str(tmp_path / "m.keras"))
+    c = mlp()
+    c.load_weights(str(tmp_path / "w.weights.h5"))
+    _close(c.get_weights(), ref.get_weights(), "save_weights")
+    _close(keras.models.load_model(str(tmp_path / "m.keras")).get_weights(), ref.get_weights(),
+           "model.save")
+    e_ref = ref.evaluate(x, y, batch_size=16, verbose=0)
+    e_ipu = ipu.evaluate(x, y, batch_size=16, verbose=0)
+    assert e_ipu == pytest.approx(e_ref, rel=1e-4)
+    ipu.export(str(tmp_path / "saved"))
+    loaded = tf.saved_model.load(str(tmp_path / "saved"))
+    served = loaded.serve(tf.constant(x[:8]))
+    assert rel_l2(served.numpy(), ref.predict(x[:8], verbose=0)) <= 1e-3
+
+
+def test_host_writes_reach_the_device_without_comparing_bytes(strategy):
+    x, y = classification_data(64, (16,), seed=5)
+    ref, ipu = _pair(strategy, 4, optimizer=lambda: keras.optimizers.SGD(0.1))
+    rt = tf_ipu.get_runtime()
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (1 + epoch))
+    fit = dict(batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[schedule])
+    before = rt.counters()
+    h_ipu = ipu.fit(x, y, **fit).history
+    h_ref = ref.fit(x, y, **fit).history
+    np.testing.assert_allclose(h_ipu["loss"], h_ref["loss"], rtol=1e-4)
+    np.testing.assert_allclose(h_ipu["learning_rate"], h_ref["learning_rate"], rtol=1e-6)
+    # set_weights and assign() between fits reach the device.
+    zeros = [np.zeros_like(w) for w in ref.get_weights()]
+    ipu.set_weights(zeros)
+    ref.set_weights(zeros)
+    ipu.layers[0].kernel.assign(np.full((16, 32), 0.01, "float32"))
+    ref.layers[0].kernel.assign(np.full((16, 32), 0.01, "float32"))
+    ipu.optimizer.learning_rate.assign(0.5)
+    ref.optimizer.learning_rate.assign(0.5)
+    ipu.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    _close(ipu.get_weights(), ref.get_weights(), "after host writes")
+    assert rt.counters()["host_bytes_compared"] == before["host_bytes_compared"]
+
+
+def test_a_call_the_host_does_not_read_sends_no_variables_back(strategy):
+    x, y = classification_data(16, (16,), seed=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(256),
+                                  keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.train_on_batch(x, y)  # compiles, uploads
+    rt = tf_ipu.get_runtime()
+    var_bytes = sum(v.numpy().nbytes for v in model.variables + model.optimizer.variables)
+    host0, server0 = rt.counters(), _server(rt)
+    for _ in range(3):
+        model.train_on_batch(x, y)
+    host1, server1 = rt.counters(), _server(rt)
+    counters_reply = _server(rt)["bytes_out"] - server1["bytes_out"]  # what one GetCounters adds
+    assert host1["device_calls"] - host0["device_calls"] == 3
+    for key in ("host_bytes_compared", "variable_bytes_refreshed"):
+        assert host1[key] == host0[key], key
+    # Only what the host wrote goes up: train_on_batch resets the loss tracker (a few scalars).
+    assert host1["variable_bytes_uploaded"] - host0["variable_bytes_uploaded"] < 256
+    sent_back = server1["bytes_out"] - server0["bytes_out"] - counters_reply
+    # Each reply: the loss and, per updated variable, dtype and dims without data.
+    assert sent_back < 3 * 512, f"{sent_back} bytes came back for 3 calls ({var_bytes} B of state)"
+    # Updated in place: no new buffers for the session's variables.
+    assert server1["variable_buffers_allocated"] == server0["variable_buffers_allocated"]
+    assert server1["variable_bytes_updated_in_place"] - server0["variable_bytes_updated_in_place"] \
+        >= 3 * 16 * 256 * 4
+    # The first host read fetches the device's values (and only once).
+    kernel = model.layers[0].kernel.numpy()
+    again = model.layers[0].kernel.numpy()
+    np.testing.assert_array_equal(kernel, again)
+    host2 = rt.counters()
+    assert host2["variable_bytes_refreshed"] - host1["variable_bytes_refreshed"] == kernel.nbytes
+
+
+def test_a_lost_session_names_the_step_the_host_holds(strategy, ipu_system):
+    x, y = classification_data(32, (16,), seed=4)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                      steps_per_execution=2)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)  # 2 steps an epoch: step 4 at the end
+    held = [w.copy() for w in model.get_weights()]
+    model.train_on_batch(x[:16], y[:16])  # step 5 stays on the device
+    rt = tf_ipu.get_runtime()
+    with grpc.insecure_channel(ipu_system.server_address) as channel:
+        device_pb2_grpc.DeviceServiceStub(channel).CloseSession(
+            device_pb2.SessionRef(session_id=rt.client.session_id), timeout=5)
+    with pytest.raises(tf.errors.DataLossError, match=r"step 4 \(end of training\)"):
+        model.train_on_batch(x[:16], y[:16])
+    # From then on the host's copies (step 4) are the truth, and training goes on from them.
+    _close(model.get_weights(), held, "host copies after the loss")
+    model.train_on_batch(x[:16], y[:16])
+    assert int(model.optimizer.iterations.numpy()) == 5
+
+
+@pytest.mark.parametrize("build,shape", [(mlp, (16,)), (small_cnn, (8, 8, 4))],
+                         ids=["mlp", "small_cnn"])
+def test_the_device_loop_holds_the_step_once(strategy, build, shape):
+    x, y = classification_data(32, shape)
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                      steps_per_execution=8)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    (lowered, _), = model.train_function._programs.values()
+    alone = lower_function(
+        lambda a, b: model.train_step((a, b)),
+        [tf.TensorSpec((4, *shape), tf.float32), tf.TensorSpec((4,), tf.int64)], "step",
+    )
+
+    assert work_instructions(lowered.module) <= 1.1 * work_instructions(alone.module), (
+        work_instructions(lowered.module), work_instructions(alone.module))
+
+
+def work_instructions(module) -> int:
+    """Instructions that compute something: not parameters, tuples, tuple elements,
+    constants, nor reshapes and copies that keep the shape (XLA's return-value plumbing,
+    which the emulator forwards without running anything and a loop repeats per
+    loop-carried variable)."""
+    n = 0
+    for comp in module.computations:
+        by_id = {i.id: i for i in comp.instructions}
+        for i in comp.instructions:
+            if i.opcode in ("parameter", "get-tuple-element", "tuple", "constant"):
+                continue
+            if i.opcode in ("reshape", "copy", "bitcast") and len(i.operands) == 1 \
+                    and by_id[i.operands[0]].shape == i.shape:
+                continue
+            n += 1
+    return n
