@@ -711,12 +711,14 @@ class DeviceService:
                             kind="unknown-variable",
                         )
                     variable_of[number] = key
-                    received = f"variable {key!r} of {_spec(value.dtype, value.shape)}"
+                    received = ""  # spelled below, only if it does not match
                 else:
                     raise ServiceError(
                         _INVALID, f"{what}: parameter {number} has neither a value nor a variable key."
                     )
                 if value.dtype != dt or tuple(value.shape) != tuple(shape):
+                    received = received or (
+                        f"variable {binding.variable_key!r} of {_spec(value.dtype, value.shape)}")
                     raise ServiceError(
                         _INVALID,
                         f"{what}: parameter {number} expects {_spec(dt, tuple(shape))}, "

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import dynamic, errors, fusion, jit, kernels, numerics
+from device_server.emulator import dynamic, errors, fusion, jit, kernels, numerics, parallel
 from device_server.emulator.arch import Target
 from device_server.emulator.errors import (
     EmulatorError,
@@ -867,6 +867,7 @@ class _Compiler:
         raw_steps = _used_steps(raw_steps, root_slot)
         consts_now = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
         raw_steps = self._fuse(raw_steps, slot_dims, slot_dtypes, consts_now, root_slot)
+        raw_steps = _dots_into_fused(raw_steps, root_slot, slot_dims, slot_dtypes)
         _reuse_buffers(raw_steps, root_slot)
         if comp.id == self.module.entry_computation_id and self.module.aliases:
             _mark_donations(raw_steps, by_id[comp.root_id], root_slot, params, slot_dims,
@@ -1257,6 +1258,66 @@ def _reuse_buffers(steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int
                 break
 
 
+def _dots_into_fused(steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int,
+                     dims: dict[int, Any], dtypes_: dict[int, Any]) -> list[tuple[_Step, ir_pb2.Instruction]]:
+    """A matrix product read only by one fused element-wise step, at the step's own index
+    (a full-shaped input of a step whose blocks are rows of a 2-D result), is computed there
+    a block of rows at a time instead of whole: ``w - lr * x.T @ dy`` never makes the
+    gradient of ``w`` (XLA's CPU backend fuses a dot into its consumer the same way). The
+    product's rows come from the same BLAS call on row ranges that ``parallel.matmul``
+    makes when it cuts by rows."""
+    users: dict[int, int] = {}
+    for st, _ in steps:
+        for slot in st.ins:
+            users[slot] = users.get(slot, 0) + 1
+    producer = {st.out: k for k, (st, _) in enumerate(steps)}
+    dropped: set[int] = set()
+    for k, (st, instr) in enumerate(steps):
+        fused = getattr(st.fn, "fused_inputs", None)
+        out_dims = dims.get(st.out)
+        lead = getattr(st.fn, "block_lead", 0)
+        if fused is None or out_dims is None or len(out_dims) != 2 or st.donate >= 0:
+            continue
+        # Blocks are rows of the result (lead 1), or runs of elements that are whole rows.
+        if not (lead == 1 or (lead == 2 and getattr(st.fn, "block_rows", 1) % out_dims[1] == 0)):
+            continue
+        for j, slot in enumerate(st.ins):
+            d = producer.get(slot)
+            if not fused[j] or d is None or d in dropped or users.get(slot) != 1 \
+                    or slot == root_slot or st.ins.count(slot) != 1:
+                continue
+            dot = steps[d][0]
+            rows = getattr(dot.fn, "rows", None)
+            if rows is None or dims.get(slot) != out_dims or dtypes_.get(slot) is None:
+                continue
+            n_cols, dt, n_ins = out_dims[1], np.dtype(dtypes_[slot]), len(st.ins)
+
+            def fn(ops: Sequence[Any], into: np.ndarray | None = None, _f: Any = st.fn,
+                   _rows: Any = rows, _j: int = j, _n: int = n_ins, _c: int = n_cols,
+                   _dt: np.dtype = dt, _flat: bool = lead == 2) -> np.ndarray:
+                lhs, rhs = ops[_j], ops[_n]
+
+                def rows_of(a: int, b: int) -> np.ndarray:
+                    if _flat:  # a run of elements: whole rows a // c to b // c
+                        a, b = a // _c, b // _c
+                    buf = parallel.scratch((b - a) * _c, _dt).reshape(b - a, _c)
+                    out = _rows([lhs, rhs], a, b, buf)
+                    return out.reshape(-1) if _flat else out
+
+                return _f(ops[:_n], into, lazy={_j: rows_of})
+
+            fn.fused_inputs = tuple(f and i != j for i, f in enumerate(fused)) + (False,)  # type: ignore[attr-defined]
+            fn.block_lead = lead  # type: ignore[attr-defined]
+            fn.block_rows = getattr(st.fn, "block_rows", 1)  # type: ignore[attr-defined]
+            ins = list(st.ins)
+            ins[j] = dot.ins[0]
+            ins.append(dot.ins[1])
+            steps[k] = (_Step(fn, tuple(ins), st.out), instr)
+            dropped.add(d)
+            break
+    return [s for k, s in enumerate(steps) if k not in dropped]
+
+
 def _mark_donations(steps: list[tuple[_Step, ir_pb2.Instruction]], root: ir_pb2.Instruction,
                     root_slot: int, params: dict[int, int], dims: dict[int, Any],
                     aliases: dict[int, int]) -> None:
@@ -1389,12 +1450,17 @@ class Executable:
         C-contiguous array not passed for any other parameter.
         """
         checked = self._check_args(args)
-        give = frozenset(
-            n for n in donated
-            if n in self.aliases.values() and checked[n].flags.writeable
-            and checked[n].flags.c_contiguous
-            and not any(a is checked[n] for m, a in enumerate(checked) if m != n)
-        )
+        give: frozenset[int] = frozenset()
+        if donated:
+            seen: dict[int, int] = {}
+            for a in checked:
+                seen[id(a)] = seen.get(id(a), 0) + 1
+            aliased = set(self.aliases.values())
+            give = frozenset(
+                n for n in donated
+                if n in aliased and checked[n].flags.writeable and checked[n].flags.c_contiguous
+                and seen[id(checked[n])] == 1
+            )
         with np.errstate(all="ignore"):
             if self._runner is None:
                 result = self._program(checked, give)

@@ -219,12 +219,18 @@ def fused_kernel(
             [jit.Node(m.expr, m.args, np.dtype(m.dtype), _numpy_runner(m)) for m in members],
         )
 
-    def run(ops: Sequence[Any], into: np.ndarray | None = None) -> np.ndarray:
+    def run(ops: Sequence[Any], into: np.ndarray | None = None,
+            lazy: dict[int, Callable[[int, int], np.ndarray]] | None = None) -> np.ndarray:
         """``into``: a C-contiguous array of the result's dtype and shape to write the
         result into; it may be one of the full-shaped inputs (each block reads its own
-        elements before writing them), as for a donated parameter."""
+        elements before writing them), as for a donated parameter. ``lazy``: full-shaped
+        inputs that are not arrays but functions giving rows a:b (``ops[j]`` is then
+        ignored), computed block by block in a buffer of the thread that runs the block."""
         src = []
-        for v, view in zip(ops, views, strict=True):
+        for j, (v, view) in enumerate(zip(ops, views, strict=True)):
+            if lazy and j in lazy:
+                src.append(None)
+                continue
             if view is not None:
                 v = np.reshape(v, view)
                 if compiled is not None:
@@ -238,7 +244,10 @@ def fused_kernel(
         def block(i: int) -> None:
             a = starts[i]
             b = a + block_rows
-            vals = [v[a:b] if f else v for v, f in zip(src, full, strict=True)]
+            vals = [v[a:b] if f and v is not None else v for v, f in zip(src, full, strict=True)]
+            if lazy:
+                for j, rows_of in lazy.items():
+                    vals[j] = rows_of(a, min(b, rows))
             if compiled is not None:
                 compiled(vals, out[a:b])
                 return
@@ -259,6 +268,8 @@ def fused_kernel(
         return out.reshape(shape) if into is None else into
 
     run.jit = compiled is not None  # type: ignore[attr-defined]
+    run.block_lead = lead  # type: ignore[attr-defined]  # leading dims cut into rows
+    run.block_rows = block_rows  # type: ignore[attr-defined]  # rows (of those dims) a block
     # Which inputs are read at the result's own index (full shape): they may be ``into``.
     run.fused_inputs = tuple(  # type: ignore[attr-defined]
         bool(f) and tuple(v[1:]) == tuple(inner) for v, f in zip(views, full, strict=True)

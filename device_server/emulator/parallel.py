@@ -136,7 +136,8 @@ MIN_PART_MACS = 1 << 21
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``np.matmul(a, b, out=out)`` for a 2-D or 3-D (batched) ``a`` and a 2-D or 3-D ``b``,
-    cut into parts by batch or by rows of ``a`` when the product is big enough."""
+    cut into parts by batch, by rows of ``a`` or (few rows, a 2-D ``b``) by columns of
+    ``b`` when the product is big enough."""
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = a.shape[0] if a.ndim == 3 else 1
@@ -146,7 +147,18 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if out is None:
         shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n)
         out = np.empty(shape, np.result_type(a.dtype, b.dtype))
-    if a.ndim == 3 and batch >= parts:
+    if b.ndim == 2 and batch * m <= 64 and batch * m < n and n >= 4 * parts:
+        # Few rows (a small batch times a big weight): cut the columns of b, so that each
+        # thread reads its own part of b instead of all of it (a, the smaller, is read by
+        # every thread instead).
+        ranges = split(n, parts)
+
+        def by_columns(i: int) -> None:
+            s, e = ranges[i]
+            np.matmul(a, b[:, s:e], out=out[..., s:e])
+
+        run_parts(by_columns, len(ranges))
+    elif a.ndim == 3 and batch >= parts:
         ranges = split(batch, parts)
         b_batched = b.ndim == 3
 

@@ -87,6 +87,15 @@ def _dot(ctx: KernelContext) -> KernelFn:
             rhs = np.asarray(ops[1])
             return matmul(lhs if lperm_t is None else lhs.T, rhs if rperm_t is None else rhs.T)
 
+        def rows(ops: Sequence[Any], a: int, b: int, out: np.ndarray) -> np.ndarray:
+            """Rows a:b of the product, into ``out`` (b - a by N): how a fused consumer
+            computes it a block at a time instead of reading it whole (compiler.py)."""
+            lhs = np.asarray(ops[0])
+            rhs = np.asarray(ops[1])
+            lhs = lhs if lperm_t is None else lhs.T
+            return np.matmul(lhs[a:b], rhs if rperm_t is None else rhs.T, out=out)
+
+        run2.rows = rows  # type: ignore[attr-defined]
         return inline(run2, f"{{m}}({{0}}{lt}, {{1}}{rt})", m=matmul)
 
     def run(ops: Sequence[Any]) -> np.ndarray:
