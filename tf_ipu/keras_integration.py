@@ -21,6 +21,8 @@ many steps to run, so it reuses the same program.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +70,43 @@ def install() -> None:
             return fn
 
         setattr(TensorFlowTrainer, attr, make)
+    TensorFlowTrainer.set_infeed_queue_options = set_infeed_queue_options
     _install_sync_points()
+
+
+_log = logging.getLogger("tf_ipu")
+# Off by default: on a 2-core machine, a CPU-bound input pipeline pulled beside the device
+# call competes with the emulator for the cores and the two take longer than one after the
+# other. It pays when pulling waits (files, a slow source) or cores are spare.
+_DEFAULT_PREFETCH_DEPTH = 0
+_PREFETCH_ATTR = "_tf_ipu_prefetch_depth"
+
+
+def infeed_prefetch_depth(model: Any) -> int:
+    """How many device calls ahead the infeed pulls batches for ``model`` (0: none)."""
+    return int(getattr(model, _PREFETCH_ATTR, _DEFAULT_PREFETCH_DEPTH))
+
+
+def set_infeed_queue_options(self: Any, prefetch_depth: int | None = None, **kwargs: Any) -> None:
+    """Graphcore's ``model.set_infeed_queue_options``: ``prefetch_depth`` is how many device
+    calls ahead the host pulls and stacks batches while the device computes (0: none, the
+    default; None: the default). A depth above 1 is accepted and pulls one call ahead. Other options of Graphcore's infeed queue have no effect here and
+    are named in a warning.
+
+    Example:
+        >>> model.set_infeed_queue_options(prefetch_depth=2)  # doctest: +SKIP
+    """
+    if prefetch_depth is None:
+        prefetch_depth = _DEFAULT_PREFETCH_DEPTH
+    if not isinstance(prefetch_depth, int) or isinstance(prefetch_depth, bool) or prefetch_depth < 0:
+        raise ValueError(
+            f"set_infeed_queue_options: prefetch_depth must be an int >= 0 (or None). "
+            f"Received: prefetch_depth={prefetch_depth!r}"
+        )
+    if kwargs:
+        _log.warning("tf_ipu: set_infeed_queue_options(%s) has no effect here (only "
+                     "prefetch_depth does).", ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+    setattr(self, _PREFETCH_ATTR, prefetch_depth)
 
 
 def sync_weights(model: Any, where: str) -> None:
@@ -137,13 +175,20 @@ class IPUStepFunction:
         self._programs: dict[tuple, tuple[LoweredProgram, Any]] = {}
         self._pull_fn: Any = None
         self.device_calls = 0
+        # The infeed's next pull, run on a worker thread while the device computes:
+        # (iterator, future of its groups), or None.
+        self._next: tuple[Any, concurrent.futures.Future] | None = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pulls_overlapped = 0  # pulls that ran while a device call was in flight
 
     # -- host side: the infeed ---------------------------------------------------------
     def __call__(self, data: Any) -> Any:
         if self.kind == "predict":
             groups = self._group([self._strip(b) for b in data])
         elif _is_tf_iterator(data):
-            groups = self._pull(data)
+            groups = self._take(data)
+            if groups and infeed_prefetch_depth(self.model) > 0:
+                self._prefetch(data)  # the next call's batches, pulled while this one runs
         else:  # a Python iterable (train_on_batch/test_on_batch)
             batches = []
             for item in data:
@@ -192,6 +237,38 @@ class IPUStepFunction:
             ]
             groups.append((run[0], stacked, len(run)))
         return groups
+
+    def _take(self, iterator: Any) -> list[tuple[Any, list[tf.Tensor], int]]:
+        """This call's batches: those pulled ahead from ``iterator`` if there are, else
+        pulled now. Batches pulled ahead from another iterator (an epoch's, which Keras has
+        left) are dropped: Keras would not have read them either."""
+        pending, self._next = self._next, None
+        if pending is not None:
+            source, future = pending
+            groups = future.result()  # re-raises what the pull raised
+            if source is iterator:
+                return groups
+        return self._pull(iterator)
+
+    def _prefetch(self, iterator: Any) -> None:
+        """Starts pulling the next call's batches from ``iterator`` on the worker thread
+        (``set_infeed_queue_options(prefetch_depth=...)``)."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tf_ipu-infeed")
+
+        from tf_ipu import runtime
+
+        rt = runtime.get_runtime()
+
+        def pull() -> list[tuple[Any, list[tf.Tensor], int]]:
+            calls, busy = rt.device_calls, rt.call_in_flight()
+            groups = self._pull(iterator)
+            if busy or rt.call_in_flight() or rt.device_calls != calls:
+                self.pulls_overlapped += 1  # a device call ran while this pull did
+            return groups
+
+        self._next = (iterator, self._worker.submit(pull))
 
     def _pull(self, iterator: Any) -> list[tuple[Any, list[tf.Tensor], int]]:
         """Pulls up to N batches from a tf iterator in one traced call, stacked per input."""

@@ -124,6 +124,7 @@ class DeviceRuntime:
         self.reports: list[CompileReport] = []
         self.device_calls = 0
         self._stats = {"calls": 0, "client_seconds": 0.0, "device_seconds": 0.0}
+        self._in_flight = 0
 
     # -- configuration -------------------------------------------------------------------
     @property
@@ -399,7 +400,11 @@ class DeviceRuntime:
                     f"has {len(entry.params)} parameters."
                 )
             start = time.perf_counter()
-            results = self._on_device(lambda: self._run(entry, inputs))
+            self._in_flight += 1
+            try:
+                results = self._on_device(lambda: self._run(entry, inputs))
+            finally:
+                self._in_flight -= 1
             self.device_calls += 1
             if entry.op_outputs is not None:
                 results = [results[k] for k in entry.op_outputs]
@@ -426,6 +431,10 @@ class DeviceRuntime:
             self._stats["calls"] += 1
             self._stats["client_seconds"] += time.perf_counter() - start
             self._stats["device_seconds"] += self.client.last_device_seconds
+
+    def call_in_flight(self) -> bool:
+        """Whether a device call is running now (from entry into ``execute`` to its end)."""
+        return self._in_flight > 0
 
     def call_stats(self) -> dict[str, float]:
         """Device calls so far: how many, their wall time as this runtime saw them (entry
