@@ -316,3 +316,23 @@ def test_infeed_prefetch_overlaps_a_slow_pipeline_with_the_same_results(strategy
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="prefetch_depth must be an int >= 0"):
         ipu.set_infeed_queue_options(prefetch_depth=-1)
+
+
+def test_tf_checkpoint_save_and_restore_cross_the_device(strategy, tmp_path):
+    """tf.train.Checkpoint reads the device's values when it saves (the eager reads of its
+    serialization) and its restore is a host write that the next device call sees."""
+    x, y = classification_data(32, (16,), seed=6)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    model.train_on_batch(x, y)  # the device holds newer values than the host now
+    ckpt = tf.train.Checkpoint(model=model)
+    path = ckpt.write(str(tmp_path / "ckpt"))
+    saved = [w.copy() for w in model.get_weights()]
+    model.train_on_batch(x, y)
+    assert any(rel_l2(a, b) > 1e-6 for a, b in zip(model.get_weights(), saved, strict=True))
+    ckpt.read(path).assert_existing_objects_matched()
+    keras.utils.set_random_seed(0)
+    cpu = mlp()
+    cpu.set_weights(saved)
+    assert rel_l2(model.predict(x, verbose=0), cpu.predict(x, verbose=0)) <= 1e-5

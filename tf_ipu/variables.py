@@ -92,15 +92,16 @@ class IPUVariable(resource_variable_ops.ResourceVariable):
     # -- writes -------------------------------------------------------------------------
     def assign(self, value: Any, use_locking: Any = None, name: Any = None,
                read_value: bool = True) -> Any:
-        # A whole new value: the device's newer one, if any, is not needed first.
-        if not _lowering():
+        # A whole new value: the device's newer one, if any, is not needed first (a write
+        # traced into a graph happens later: until then reads still fetch).
+        if not _lowering() and context.executing_eagerly():
             _runtime().forget_device_value(self)
         out = super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
         self._after_write()
         return out
 
     def _restore_from_tensors(self, restored_tensors: Any) -> Any:
-        if not _lowering():
+        if not _lowering() and context.executing_eagerly():
             _runtime().forget_device_value(self)
         out = super()._restore_from_tensors(restored_tensors)
         self._after_write()
