@@ -117,12 +117,11 @@ def sync_weights(model: Any, where: str) -> None:
     rt = runtime.get_runtime()
     if not rt.connected:
         return
-    rt.sync_to_host()
     optimizer = getattr(model, "optimizer", None)
     iterations = getattr(optimizer, "iterations", None)
     step = f"step {int(iterations.numpy())}" if iterations is not None else "the last call"
-    if not rt.residency.host_holds.startswith(f"{step} ("):  # the first name of a step stays
-        rt.sync_to_host(f"{step} ({where})")
+    named = rt.residency.host_holds.startswith(f"{step} (")  # the first name of a step stays
+    rt.sync_to_host(None if named else f"{step} ({where})")
 
 
 def _install_sync_points() -> None:
