@@ -30,7 +30,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -779,8 +779,8 @@ class DeviceService:
 
             # Updated variables' buffers are donated: the program may write their new values
             # into them (as XLA does with donated buffers); a variable bound twice is not.
-            bound = [variable_of[n] for n in variable_of]
-            donated = [exe.aliases[o] for o, key in updates.items() if bound.count(key) == 1]
+            bound = Counter(variable_of.values())
+            donated = [exe.aliases[o] for o, key in updates.items() if bound[key] == 1]
             start = time.perf_counter()
             try:
                 outputs = exe.run(inputs, donated)

@@ -99,6 +99,12 @@ class Residency:
         st.dirty = True
         st.stale = False
 
+    def forget_device_value(self, key: str) -> None:
+        """The host is about to overwrite ``key`` whole: its device value need not be fetched."""
+        st = self.states.get(key)
+        if st is not None:
+            st.stale = False
+
     def stale_keys(self, keys: Iterable[str] | None = None) -> list[str]:
         if keys is None:
             keys = list(self.states)

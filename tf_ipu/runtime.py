@@ -505,9 +505,7 @@ class DeviceRuntime:
         from tf_ipu.lowering.program import variable_key
 
         with self._lock:
-            st = self.residency.states.get(variable_key(variable))
-            if st is not None:
-                st.stale = False
+            self.residency.forget_device_value(variable_key(variable))
 
     def watch(self, variable: Any) -> None:
         """From now on, compare ``variable``'s bytes before each call (its writes are not
