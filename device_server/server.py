@@ -91,6 +91,7 @@ class ServerHandle:
         if not drained:
             logger.warning("%d calls still running after the %.1f s grace period; cancelling "
                            "them", self.service.in_flight, grace or 0.0)
+            self.service.sessions.stop_runs("shutdown")  # runs end at their next step
         # Handlers that returned may still be sending their replies: a moment for those.
         self.server.stop(_FLUSH_SECONDS if drained else 0).wait()
         self.service.stop()

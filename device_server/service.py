@@ -18,8 +18,10 @@ program may produce), how long a call may wait (request deadline), calls queued 
 While the server shuts down (``begin_shutdown``) new work is refused with UNAVAILABLE and
 calls already running finish. Each RPC ends with one log record on ``device_server.rpc``
 (method, session, status, duration, bytes), which ``--log-format json`` prints as one JSON
-line. Not ready: a running program cannot be interrupted (a ``while`` that never ends holds
-its session and a worker thread until the server stops).
+line. A run stops early (``emulator/cancel.py``) when its client cancels or goes away, at its
+run deadline or the call's deadline, when its session closes and when the server shuts
+down: a device loop at its next step, keeping the variables of the last completed step;
+other loops at their next iteration, keeping nothing of the call.
 """
 
 from __future__ import annotations
@@ -39,18 +41,31 @@ import grpc
 import numpy as np
 
 import device_server
+from device_server.data_path import (
+    DEFAULT_CHUNK_BYTES,
+    Blob,
+    ReplyBudget,
+    SessionData,
+    TransferCounters,
+    fill_reply_tensor,
+    receive_blob,
+    send_blob,
+    tensor_value,
+)
 from device_server.emulator import (
     CompileOptions,
     EmulatorError,
     FloatingPointExceptionError,
     InvalidProgramError,
     OutOfMemoryError,
+    RunStopped,
+    StopToken,
     UnsupportedOpError,
     compile_module,
     get_target,
 )
 from device_server.executable_cache import ExecutableCache, cache_key
-from device_server.protocol import device_pb2, dtypes, ir_pb2
+from device_server.protocol import device_pb2, dtypes, ir_pb2, shm
 from device_server.sessions import (
     ExecutableHandle,
     IpuPool,
@@ -73,8 +88,21 @@ _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 #: Calls still served while the server shuts down (they start no new work).
 _ALLOWED_WHILE_DRAINING = frozenset(
-    {"CloseSession", "Heartbeat", "DetachIpus", "ReadVariables", "GetCounters"}
+    {"CloseSession", "Heartbeat", "DetachIpus", "ReadVariables", "GetCounters", "GetBlob"}
 )
+#: The status of a stopped run, by reason (emulator/cancel.py), and how messages say it.
+_STOP_STATUS = {
+    "cancelled": (grpc.StatusCode.CANCELLED, "cancelled"),
+    "deadline": (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),
+    "session-closed": (grpc.StatusCode.CANCELLED, "session-closed"),
+    "shutdown": (grpc.StatusCode.UNAVAILABLE, "shutting-down"),
+}
+_STOP_WHY = {
+    "cancelled": "the client cancelled the call",
+    "deadline": "its run deadline passed",
+    "session-closed": "its session was closed",
+    "shutdown": "the server is shutting down",
+}
 #: Upper bounds (seconds) of the Execute latency histogram.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                    5.0, 10.0, 30.0)
@@ -177,6 +205,35 @@ class _Undecodable:
     error: str
 
 
+class _Messages:
+    """The requests of a client stream: ``first`` (read at once; an empty stream gives an
+    undecodable stand-in), then the rest by iteration (an undecodable one raises)."""
+
+    def __init__(self, iterator: Any) -> None:
+        self._iterator = iterator
+        self.first = next(iterator, None) or _Undecodable("stream", 0, "the stream is empty")
+        self.nbytes = self.first.nbytes
+
+    def __iter__(self) -> Any:
+        for request in self._iterator:
+            self.nbytes += request.nbytes
+            if isinstance(request, _Undecodable):
+                raise ServiceError(
+                    _INVALID, f"a message of the stream ({request.nbytes} bytes) is not a valid "
+                    f"{request.type_name}: {request.error}", kind="undecodable-request")
+            yield request.message
+
+
+@dataclass
+class _StreamReply:
+    """What a server-streaming handler returns to ``_rpc``: nothing inline, then chunks."""
+
+    chunks: Any
+
+    def ByteSize(self) -> int:  # noqa: N802 (the protobuf spelling ``_rpc`` calls)
+        return 0
+
+
 class _CallState(threading.local):
     """The RPC this worker thread is serving: its context and absolute deadline."""
 
@@ -232,6 +289,7 @@ class DeviceService:
         )
         self.cache = ExecutableCache(config.cache_entries)
         self.execute_latency = LatencyStats()
+        self.transfers = TransferCounters()
         self._server_refuse = frozenset(config.refuse_opcodes)
         self._call = _CallState()
         self._in_flight = 0
@@ -260,6 +318,7 @@ class DeviceService:
             "ReadVariables": (self.read_variables, device_pb2.ReadVariablesRequest),
             "Execute": (self.execute, device_pb2.ExecuteRequest),
             "GetCounters": (self.get_counters, device_pb2.Empty),
+            "AttachSharedMemory": (self.attach_shared_memory, device_pb2.AttachSharedMemoryRequest),
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
@@ -269,6 +328,16 @@ class DeviceService:
             )
             for name, (fn, cls) in methods.items()
         }
+        handlers["PutBlob"] = grpc.stream_unary_rpc_method_handler(
+            self._rpc("PutBlob", self.put_blob, stream_in=True),
+            request_deserializer=self._decoder(device_pb2.BlobChunk),
+            response_serializer=self._encode,
+        )
+        handlers["GetBlob"] = grpc.unary_stream_rpc_method_handler(
+            self._rpc_stream_out("GetBlob", self.get_blob),
+            request_deserializer=self._decoder(device_pb2.GetBlobRequest),
+            response_serializer=self._encode,
+        )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     def start(self) -> None:
@@ -327,12 +396,17 @@ class DeviceService:
         self.counters.add("bytes_out", len(raw))
         return raw
 
-    def _rpc(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def _rpc(self, name: str, fn: Callable[[Any], Any],
+             stream_in: bool = False) -> Callable[[Any, grpc.ServicerContext], Any]:
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
             start = time.perf_counter()
             with self._idle:
                 self._in_flight += 1
             self.counters.add(f"rpcs.{name}")
+            stream = None
+            if stream_in:  # an iterator of requests: the first one names the session
+                stream = _Messages(request)
+                request = stream.first
             message = getattr(request, "message", None)
             session_id = str(getattr(message, "session_id", ""))
             remaining = context.time_remaining()
@@ -357,7 +431,7 @@ class DeviceService:
                         f"retry once it is back.",
                         kind="shutting-down",
                     )
-                reply = fn(message)
+                reply = fn(message) if stream is None else fn(message, stream)
                 out_bytes = reply.ByteSize()
                 max_bytes = self.config.max_message_bytes
                 if 0 < max_bytes < out_bytes:
@@ -384,6 +458,8 @@ class DeviceService:
                     if not self._in_flight:
                         self._idle.notify_all()
             seconds = time.perf_counter() - start
+            if stream is not None:
+                request = _Request(message, stream.nbytes)
             if error is None:
                 if name == "Execute":
                     self.execute_latency.observe(seconds)
@@ -398,6 +474,26 @@ class DeviceService:
             if error.kind:
                 context.set_trailing_metadata(((ERROR_KIND_METADATA, error.kind),))
             context.abort(error.code, text)
+
+        return handle
+
+    def _rpc_stream_out(self, name: str, fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        """``_rpc`` for a call that answers with a stream: ``fn`` checks the request and returns
+        a ``_StreamReply`` (errors then get their status as any call's do), whose chunks are
+        sent after."""
+        unary = self._rpc(name, fn)
+
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            reply = unary(request, context)
+            try:
+                yield from reply.chunks
+            except ServiceError as e:
+                self.count_error(e.code, e.kind)
+                context.abort(e.code, e.message)
+            except Exception as e:
+                self.count_error(grpc.StatusCode.INTERNAL, "internal")
+                context.abort(grpc.StatusCode.INTERNAL,
+                              f"{name} failed inside the device server: {type(e).__name__}: {e}")
 
         return handle
 
@@ -464,6 +560,22 @@ class DeviceService:
         context = self._call.context
         return context is None or context.is_active()
 
+    def _stop_token(self, run_deadline_seconds: float) -> StopToken:
+        """A stop token for the run this call starts: it stops by itself at the run deadline
+        the request asks for or at the call's own deadline, and when the client cancels or
+        goes away (gRPC's termination callback)."""
+        now = time.monotonic()
+        context = self._call.context
+        # The client's deadline (the server's request deadline bounds waiting, not running).
+        remaining = context.time_remaining() if context is not None else None
+        deadlines = [d for d in (None if remaining is None else now + remaining,
+                                 now + run_deadline_seconds if run_deadline_seconds > 0 else None)
+                     if d is not None]
+        token = StopToken(min(deadlines) if deadlines else None)
+        if context is not None:
+            context.add_callback(lambda: token.stop("cancelled"))
+        return token
+
     def _on_session_closed(self, session: Session, reason: str) -> None:
         self.counters.add("sessions_expired" if reason == "expired" else "sessions_closed")
 
@@ -476,6 +588,7 @@ class DeviceService:
 
     def open_session(self, request: device_pb2.OpenSessionRequest) -> device_pb2.OpenSessionReply:
         session = self.sessions.open(request.client_name, request.lease_seconds)
+        session.data = SessionData()
         self.counters.add("sessions_opened")
         return device_pb2.OpenSessionReply(
             session_id=session.session_id,
@@ -554,6 +667,16 @@ class DeviceService:
                     f"first (the architecture to compile for comes from it).",
                 )
             module = request.module
+            if request.module_blob_id:
+                raw = s.data.take(request.module_blob_id, "Compile").array
+                module = ir_pb2.Module()
+                try:
+                    module.ParseFromString(memoryview(raw.reshape(-1).view(np.uint8)))
+                except Exception as e:
+                    raise ServiceError(
+                        _INVALID, f"Compile: the staged module ({raw.nbytes} bytes) is not a "
+                        f"valid Module: {type(e).__name__}: {e}", kind="undecodable-request",
+                    ) from None
             refuse = frozenset(request.options.refuse_opcodes) | self._server_refuse
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
             allow_oom = request.options.allow_out_of_memory
@@ -609,14 +732,18 @@ class DeviceService:
     def write_variables(self, request: device_pb2.WriteVariablesRequest) -> device_pb2.Empty:
         with self._enter(request.session_id) as s:
             decoded: dict[str, np.ndarray] = {}
+            adopted: set[str] = set()  # values that are staged blobs: kept as they are
             for i, named in enumerate(request.variables):
                 if not named.key:
                     raise ServiceError(_INVALID, f"WriteVariables: variable #{i} has an empty key.")
-                decoded[named.key] = _decode(named.tensor, f"WriteVariables: variable {named.key!r}")
+                what = f"WriteVariables: variable {named.key!r}"
+                decoded[named.key] = tensor_value(s.data, named.tensor, what, self.transfers)
+                if named.tensor.WhichOneof("payload") == "blob_id":
+                    adopted.add(named.key)
             limit = self.config.max_session_bytes
             if limit > 0:
                 held = s.variable_bytes()
-                after = held + sum(
+                after = held + s.data.staged_bytes() + sum(
                     v.nbytes - (s.variables[k].nbytes if k in s.variables else 0)
                     for k, v in decoded.items()
                 )
@@ -630,7 +757,11 @@ class DeviceService:
                         kind="session-memory",
                     )
             for key, value in decoded.items():  # all or nothing: every value decoded first
-                self._store_variable(s, key, value)
+                if key in adopted:
+                    s.variables[key] = value  # a staged blob: the buffer becomes the variable
+                    self.counters.add("variable_buffers_allocated")
+                else:
+                    self._store_variable(s, key, value)
         return device_pb2.Empty()
 
     def _store_variable(self, s: Session, key: str, value: np.ndarray) -> None:
@@ -654,6 +785,7 @@ class DeviceService:
     def read_variables(self, request: device_pb2.ReadVariablesRequest) -> device_pb2.ReadVariablesReply:
         with self._enter(request.session_id) as s:
             reply = device_pb2.ReadVariablesReply()
+            budget = ReplyBudget(self.config.max_message_bytes)
             for key in request.keys:
                 value = s.variables.get(key)
                 if value is None:
@@ -663,8 +795,70 @@ class DeviceService:
                         f"({len(s.variables)} variables resident).",
                         kind="unknown-variable",
                     )
-                dtypes.fill_tensor(reply.variables.add(key=key).tensor, value)
+                region = request.regions[key] if key in request.regions else None
+                fill_reply_tensor(s.data, reply.variables.add(key=key).tensor, value, budget,
+                                  region, self.transfers)
             return reply
+
+    # -- bulk data -------------------------------------------------------------------------
+
+    def put_blob(self, first: device_pb2.BlobChunk, rest: Any) -> device_pb2.BlobRef:
+        """Stages a stream of chunks in the session, within its memory limit."""
+        s = self.sessions.get(first.session_id)
+        total = int(first.total_bytes)
+        if total < 0:
+            raise ServiceError(_INVALID, f"PutBlob: total_bytes is {total}.")
+        limit = self.config.max_session_bytes
+        with self._enter(first.session_id):
+            replaced = s.data.replaced_keys() | ({first.replaces_variable} - {""})
+            held = sum(v.nbytes for k, v in s.variables.items() if k not in replaced)
+            staged = s.data.staged_bytes()
+            if limit > 0 and held + staged + total > limit:
+                raise ServiceError(
+                    _EXHAUSTED,
+                    f"PutBlob: session {s.session_id} would hold {held + staged + total} bytes "
+                    f"({held} in resident variables, {staged} staged, {total} in this blob), "
+                    f"over the server's limit of {limit} bytes per session "
+                    f"(--max-session-bytes).",
+                    kind="session-memory",
+                )
+            s.data.reserve(total)
+        try:
+            blob: Blob = receive_blob(iter(rest), first, s.data, self.transfers)
+        finally:
+            s.data.release(total)
+        with self._enter(first.session_id):
+            return device_pb2.BlobRef(blob_id=s.data.put(blob))
+
+    def get_blob(self, request: device_pb2.GetBlobRequest) -> _StreamReply:
+        """Streams out (and forgets) a blob a reply named."""
+        with self._enter(request.session_id) as s:
+            array = s.data.blobs_out.pop(request.blob_id, None)
+            if array is None:
+                raise ServiceError(
+                    _NOT_FOUND, f"GetBlob: session {s.session_id} has no blob "
+                    f"{request.blob_id[:40]!r} to send (a blob is sent once).", kind="unknown-blob")
+        chunk = int(request.chunk_bytes) or DEFAULT_CHUNK_BYTES
+        limit = self.config.max_message_bytes
+        if limit > 0:
+            chunk = min(chunk, max(1, limit // 4))
+        return _StreamReply(send_blob(array, chunk, self.transfers))
+
+    def attach_shared_memory(
+        self, request: device_pb2.AttachSharedMemoryRequest
+    ) -> device_pb2.AttachSharedMemoryReply:
+        """Maps the client's segment if it is on this machine (the co-location probe)."""
+        with self._enter(request.session_id) as s:
+            try:
+                segment = shm.Segment.attach(request.name, int(request.nbytes), request.nonce)
+            except shm.ShmUnavailable as e:
+                self.counters.add("shm_attach_refused")
+                return device_pb2.AttachSharedMemoryReply(attached=False, reason=str(e))
+            number = s.data.attach(segment)
+            self.counters.add("shm_segments_attached")
+            logger.info("session %s attached shared memory segment %d (%d bytes)", s.short_id,
+                        number, segment.nbytes)
+            return device_pb2.AttachSharedMemoryReply(attached=True, segment=number)
 
     # -- execution ----------------------------------------------------------------------
 
@@ -698,7 +892,8 @@ class DeviceService:
             for number, (binding, (dt, shape)) in enumerate(zip(request.parameters, expected, strict=True)):
                 source = binding.WhichOneof("source")
                 if source == "value":
-                    value = _decode(binding.value, f"{what}: parameter {number}")
+                    value = tensor_value(s.data, binding.value, f"{what}: parameter {number}",
+                                         self.transfers)
                     received = f"a value of {_spec(value.dtype, value.shape)}"
                 elif source == "variable_key":
                     key = binding.variable_key
@@ -749,20 +944,6 @@ class DeviceService:
                     f"its report and cannot run.",
                     kind="out-of-memory",
                 )
-            max_bytes = self.config.max_message_bytes
-            if max_bytes > 0:
-                reply_bytes = sum(
-                    int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-                    for i, (dt, shape) in enumerate(exe.outputs)
-                    if request.return_updated_variables or i not in updates
-                )
-                if reply_bytes > max_bytes:
-                    raise ServiceError(
-                        _EXHAUSTED,
-                        f"{what}: its outputs are {reply_bytes} bytes, more than the server's "
-                        f"message limit of {max_bytes} bytes (--max-message-bytes); not run.",
-                        kind="message-too-large",
-                    )
             remaining = self._remaining()
             if remaining is not None and remaining <= 0:
                 raise ServiceError(
@@ -781,9 +962,18 @@ class DeviceService:
             # into them (as XLA does with donated buffers); a variable bound twice is not.
             bound = Counter(variable_of.values())
             donated = [exe.aliases[o] for o, key in updates.items() if bound[key] == 1]
+            token = self._stop_token(request.run_deadline_seconds)
             start = time.perf_counter()
             try:
-                outputs = exe.run(inputs, donated)
+                with s.run(token):
+                    outputs = exe.run(inputs, donated, stop=token)
+            except RunStopped as e:
+                self.counters.add(f"runs_stopped.{e.reason}")
+                code, kind = _STOP_STATUS[e.reason]
+                raise ServiceError(
+                    code, f"{what}: {e}; nothing of this call was kept (the device holds the "
+                    f"variables as they were before it).", kind=kind,
+                ) from e
             except OutOfMemoryError as e:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: {e}",
                                    kind="out-of-memory") from e
@@ -804,13 +994,31 @@ class DeviceService:
             self.counters.add("executions")
             for out_index, key in updates.items():
                 self._store_variable(s, key, outputs[out_index])
+            if token.steps_completed is not None:
+                # The device loop ended early: its variables (stored above) are those of its
+                # last completed step; the caller gets the reason, not the outputs.
+                reason = token.reason or "cancelled"
+                self.counters.add(f"runs_stopped.{reason}")
+                code, kind = _STOP_STATUS[reason]
+                raise ServiceError(
+                    code, f"{what}: stopped ({_STOP_WHY[reason]}) after {token.steps_completed} "
+                    f"completed steps of its device loop; the device holds the variables of "
+                    f"step {token.steps_completed} of this call.", kind=kind,
+                )
 
             # Each output at its run-time shape: an output with dynamic dimensions may be
             # smaller than its bound there (the message-size check above counted the bounds).
+            # Outputs bigger than the reply's budget go as blobs (GetBlob), or into the
+            # shared-memory regions the request named.
             reply = device_pb2.ExecuteReply(device_seconds=seconds)
+            budget = ReplyBudget(self.config.max_message_bytes)
+            regions = request.output_regions
             for i, out in enumerate(outputs):
-                dtypes.fill_tensor(reply.outputs.add(), out,
-                             with_data=request.return_updated_variables or i not in updates)
+                if request.return_updated_variables or i not in updates:
+                    fill_reply_tensor(s.data, reply.outputs.add(), out, budget,
+                                      regions[i] if i in regions else None, self.transfers)
+                else:
+                    dtypes.fill_tensor(reply.outputs.add(), out, with_data=False)
             return reply
 
     # -- counters -----------------------------------------------------------------------
@@ -829,6 +1037,7 @@ class DeviceService:
         values["execute_latency_count"] = count
         values["execute_latency_p50_us"] = round(self.execute_latency.quantile(0.5) * 1e6)
         values["execute_latency_p99_us"] = round(self.execute_latency.quantile(0.99) * 1e6)
+        values.update({f"transfer.{k}": v for k, v in self.transfers.snapshot().items()})
         return values
 
     def get_counters(self, request: device_pb2.Empty) -> device_pb2.CountersReply:
@@ -853,6 +1062,7 @@ def prometheus_text(values: dict[str, int], latency: LatencyStats | None = None)
         ("errors", "code", _COUNTER_HELP["errors"]),
         ("error_kinds", "kind", _COUNTER_HELP["errors"]),
         ("rpcs", "method", "RPCs received."),
+        ("runs_stopped", "reason", "Runs stopped before their end (cancel, deadline, ...)."),
     ):
         metric = f"{prefix}{family}_total"
         lines += [f"# HELP {metric} {help_text} by {label}", f"# TYPE {metric} counter"]
@@ -902,16 +1112,6 @@ def _describe_target(target: Any, fallback_name: str) -> tuple[str, int]:
 
 def _tensor_spec(dtype: np.dtype, shape: tuple[int, ...]) -> device_pb2.TensorSpec:
     return device_pb2.TensorSpec(dtype=dtypes.from_numpy(dtype), dims=list(shape))
-
-
-def _decode(tensor: device_pb2.Tensor, what: str) -> np.ndarray:
-    try:
-        return dtypes.from_tensor(tensor, what=what)
-    except ValueError as e:  # DTypeError is a ValueError
-        message = str(e)
-        if not message.startswith(what):
-            message = f"{what}: {message}"
-        raise ServiceError(_INVALID, message) from None
 
 
 def _estimate(est: Any) -> device_pb2.Estimate:

@@ -179,6 +179,29 @@ class Session:
         self._lock = threading.Lock()
         self._waiting = 0
         self._waiting_lock = threading.Lock()
+        self.data: Any = None  # device_server.data_path.SessionData, set by the service
+        # Stop tokens of the runs in progress (emulator/cancel.py); guarded by _waiting_lock.
+        self._runs: set[Any] = set()
+
+    @contextmanager
+    def run(self, token: Any) -> Iterator[Any]:
+        """Registers a run's stop token for the block, so that ``stop_runs`` reaches it."""
+        with self._waiting_lock:
+            self._runs.add(token)
+        try:
+            yield token
+        finally:
+            with self._waiting_lock:
+                self._runs.discard(token)
+
+    def stop_runs(self, reason: str) -> int:
+        """Asks the session's runs in progress to stop (``reason`` as in
+        ``emulator/cancel.py``); returns how many there were. Needs no lock held."""
+        with self._waiting_lock:
+            runs = list(self._runs)
+        for token in runs:
+            token.stop(reason)
+        return len(runs)
 
     def __repr__(self) -> str:
         return (
@@ -301,8 +324,8 @@ class SessionManager:
             self._reaper.start()
 
     def stop(self) -> None:
-        """Stops the reaper and closes every session not inside a call (at shutdown, a
-        call still running is not waited for)."""
+        """Stops the reaper, asks runs in progress to stop, and closes every session not
+        inside a call (at shutdown, a call still running is not waited for)."""
         self._stop.set()
         self.pool.close()
         if self._reaper is not None:
@@ -310,6 +333,7 @@ class SessionManager:
         with self._lock:
             sessions = list(self._sessions.values())
         for s in sessions:
+            s.stop_runs("shutdown")
             if s.try_enter():
                 try:
                     self._close_locked(s, "closed")
@@ -366,10 +390,18 @@ class SessionManager:
         return session
 
     def close(self, session_id: str) -> None:
-        """Closes a session: detaches its IPUs, drops its variables and executables."""
+        """Closes a session: stops its run in progress at its next step, then detaches its
+        IPUs, drops its variables and executables."""
         session = self.get(session_id)
+        session.stop_runs("session-closed")
         with session.enter(self.max_waiting_calls):
             self._close_locked(session, "closed")
+
+    def stop_runs(self, reason: str) -> int:
+        """Asks every session's runs in progress to stop; returns how many there were."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return sum(s.stop_runs(reason) for s in sessions)
 
     def count(self) -> int:
         """How many sessions are open."""
@@ -394,6 +426,8 @@ class SessionManager:
             return
         self.detach(session)
         session.variables.clear()
+        if session.data is not None:
+            session.data.close()
         session.closed = True
         with self._lock:
             self._sessions.pop(session.session_id, None)

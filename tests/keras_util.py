@@ -55,3 +55,36 @@ def classification_data(
     w = rng.standard_normal((int(np.prod(shape)), n_classes)).astype("float32")
     y = np.argmax(x.reshape(n, -1) @ w, axis=1).astype("int64")
     return x, y
+
+
+class Stall(keras.layers.Layer):
+    """Identity; in training, from its call number ``stall_at`` on, it spins in a ``while``
+    that never ends (a step that never completes). Its non-trainable ``calls`` counts calls."""
+
+    def __init__(self, stall_at: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.stall_at = stall_at
+
+    def build(self, shape) -> None:
+        self.calls = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                     trainable=False, name="calls")
+
+    def call(self, x, training=False):
+        import tensorflow as tf
+
+        if not training:
+            return x
+        c = tf.identity(self.calls.value)  # read before the increment
+        self.calls.assign_add(1)
+        j = tf.while_loop(lambda j: tf.logical_or(j < 5, c >= self.stall_at),
+                          lambda j: j + 1, [tf.constant(0)])[0]
+        return x + tf.cast(j - 5, x.dtype)  # + 0 once the loop has ended
+
+
+def stall_model(stall_at: int) -> keras.Model:
+    """Dense -> Stall -> Dense, seeded: the same weights every time it is built."""
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu", name="dense_in")(inp)
+    h = Stall(stall_at, name="stall")(h)
+    return keras.Model(inp, keras.layers.Dense(1, name="dense_out")(h), name="stall_model")

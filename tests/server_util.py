@@ -160,6 +160,73 @@ def loop_module(dim: int = 32, name: str = "loop") -> ir_pb2.Module:
     return m
 
 
+def steps_module(dim: int = 64, device_loop: bool = True, name: str = "steps") -> ir_pb2.Module:
+    """A device loop in miniature: up to ``n`` steps of ``w = w + 1``, each step spinning an
+    inner loop 5 times, or forever from step ``stall`` on (a ``while`` that never ends).
+
+    Parameters ``w: f32[dim]`` (resident), ``n: s32[]``, ``stall: s32[]``; outputs
+    ``(steps run: s32[], new w)`` with output 1 aliased to parameter 0. ``device_loop``
+    names the outer loop as tf_ipu's Keras integration names its step loop.
+    """
+    m = ir_pb2.Module(name=name, entry_computation_id=0, frontend="test")
+    s32, vec, pred = array_shape(np.int32, []), array_shape(np.float32, [dim]), array_shape(np.bool_, [])
+    state = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, vec, s32, s32])  # i, w, n, stall
+    inner = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, s32, s32])      # j, i, stall
+
+    cond = Builder(m, 1, "cond")
+    p = cond.parameter(state)
+    i = cond.op("get-tuple-element", [p], s32, index=0)
+    n = cond.op("get-tuple-element", [p], s32, index=2)
+    cond.root(cond.op("compare", [i, n], pred, direction="LT", compare_type="SIGNED"))
+
+    icond = Builder(m, 3, "inner_cond")
+    p = icond.parameter(inner)
+    j = icond.op("get-tuple-element", [p], s32, index=0)
+    i = icond.op("get-tuple-element", [p], s32, index=1)
+    stall = icond.op("get-tuple-element", [p], s32, index=2)
+    short = icond.op("compare", [j, icond.constant(np.array(5, np.int32))], pred,
+                     direction="LT", compare_type="SIGNED")
+    stuck = icond.op("compare", [i, stall], pred, direction="GE", compare_type="SIGNED")
+    icond.root(icond.op("or", [short, stuck]))
+
+    ibody = Builder(m, 4, "inner_body")
+    p = ibody.parameter(inner)
+    j = ibody.op("get-tuple-element", [p], s32, index=0)
+    i = ibody.op("get-tuple-element", [p], s32, index=1)
+    stall = ibody.op("get-tuple-element", [p], s32, index=2)
+    ibody.root(ibody.tuple([ibody.op("add", [j, ibody.constant(np.array(1, np.int32))]), i, stall]))
+
+    body = Builder(m, 2, "body")
+    p = body.parameter(state)
+    i = body.op("get-tuple-element", [p], s32, index=0)
+    w = body.op("get-tuple-element", [p], vec, index=1)
+    n = body.op("get-tuple-element", [p], s32, index=2)
+    stall = body.op("get-tuple-element", [p], s32, index=3)
+    spin = body.op("while", [body.tuple([body.constant(np.array(0, np.int32)), i, stall])],
+                   inner, called=[3, 4])
+    j = body.op("get-tuple-element", [spin], s32, index=0)
+    one = body.op("broadcast", [body.op("convert", [j], array_shape(np.float32, []))], vec,
+                  dimensions=[])
+    five = body.op("broadcast", [body.constant(np.array(5, np.float32))], vec, dimensions=[])
+    step = body.op("divide", [one, five])  # 1.0: the inner loop ran 5 times
+    body.root(body.tuple([body.op("add", [i, body.constant(np.array(1, np.int32))]),
+                          body.op("add", [w, step]), n, stall]))
+
+    main = Builder(m, 0, "main")
+    w = main.parameter(vec)
+    n = main.parameter(s32)
+    stall = main.parameter(s32)
+    loop = main.op("while", [main.tuple([main.constant(np.array(0, np.int32)), w, n, stall])],
+                   state, called=[1, 2])
+    if device_loop:
+        m.computations[-1].instructions[loop].source_op = "tf_ipu_device_loop"
+    main.root(main.tuple([main.op("get-tuple-element", [loop], s32, index=0),
+                          main.op("get-tuple-element", [loop], vec, index=1)]))
+    m.aliases.add(output_index=1, parameter_number=0)
+    m.computations.sort(key=lambda c: c.id)
+    return m
+
+
 # -- standalone server processes -----------------------------------------------------------
 
 

@@ -405,39 +405,52 @@ def test_every_rpc_refuses_undecodable_and_unknown_session_requests(device_serve
         check_sgd(healthy, program.executable_id)
 
 
-def test_oversized_messages_are_resource_exhausted_and_the_server_goes_on(limited):
-    with attached(limited.address) as c:
-        assert c.session.max_message_bytes == MIB and c.session.max_session_bytes == 2 * MIB
-        with pytest.raises(errors.ResourceExhaustedError, match=r"larger than max.*1048576 bytes a message"):
-            c.write_variables({"big": np.zeros(300_000, np.float32)})  # 1.2 MB request
-        c.write_variables({"a": np.zeros(200_000, np.float32)})
-        c.write_variables({"b": np.ones(200_000, np.float32)})
-        with pytest.raises(errors.ResourceExhaustedError,
-                           match=r"ReadVariables: the reply would be \d+ bytes, more than the server's message limit of 1048576") as info:
-            c.read_variables(["a", "b"])
-        assert info.value.kind == "message-too-large"
-        assert c.read_variables(["b"])["b"].sum() == 200_000
+@pytest.mark.parametrize("data_path", ["stream", "shm"])
+def test_requests_and_replies_past_the_message_limit_move_in_chunks(limited, data_path):
+    with attached(limited.address, data_path=data_path) as c, \
+            attached(limited.address, data_path=data_path) as d:
+        assert c.session.max_message_bytes == MIB and c.data.kind == data_path
+        big = RNG.standard_normal(300_000).astype(np.float32)  # 1.2 MB: more than a message
+        c.write_variables({"big": big})
+        c.write_variables({"a": np.zeros(50_000, np.float32), "b": np.ones(50_000, np.float32)})
+        back = c.read_variables(["big", "a", "b"])  # 1.6 MB in all
+        np.testing.assert_array_equal(back["big"], big)
+        assert back["a"].sum() == 0 and back["b"].sum() == 50_000
 
         m = ir_pb2.Module(name="spread", entry_computation_id=0)
         b = su.Builder(m, 0, "main")
-        b.root(b.op("broadcast", [b.parameter(su.array_shape(np.float32, []))],
-                    su.array_shape(np.float32, [300_000]), dimensions=[]))
-        program = c.compile(m)
-        with pytest.raises(errors.ResourceExhaustedError, match=r"its outputs are 1200000 bytes.*not run"):
-            c.execute(program.executable_id, [np.float32(1)])
+        p = b.parameter(su.array_shape(np.float32, [300_000]))
+        b.root(b.op("add", [p, b.constant(np.full(300_000, 2, np.float32))]))  # a 1.2 MB module
+        program = d.compile(m)  # (another session: the first holds most of its 2 MiB)
+        [out] = d.execute(program.executable_id, [big])  # 1.2 MB in and out
+        np.testing.assert_array_equal(out, big + 2)
+        moved = {k: c.data.counters.get(k, 0) + d.data.counters.get(k, 0)
+                 for k in {*c.data.counters, *d.data.counters}}
+        if data_path == "stream":
+            assert moved["stream_bytes_out"] >= 3 * 1_200_000 and moved["stream_bytes_in"] >= 2_400_000
+            # Beyond the payload, the transport holds at most two chunks at a time.
+            peak = max(c.data.counters["stream_peak_bytes_held"], d.data.counters["stream_peak_bytes_held"])
+            assert 0 < peak <= 2 * c.data.chunk_bytes()
+            server = limited.service.transfers.snapshot()
+            assert server["stream_peak_bytes_held"] <= m.ByteSize() + 2 * c.data.chunk_bytes()
+        else:
+            assert moved["shm_bytes_out"] >= 2 * 1_200_000 and moved["shm_bytes_in"] >= 2_400_000
         check_sgd(c, c.compile(su.sgd_module()).executable_id)
 
 
-def test_session_memory_limit_names_bytes_and_limit(limited):
-    with attached(limited.address) as c, attached(limited.address) as other:
-        block = np.zeros(200_000, np.float32)  # 800 KB
+@pytest.mark.parametrize("data_path", ["stream", "shm"])
+def test_session_memory_limit_names_bytes_and_limit(limited, data_path):
+    with attached(limited.address, data_path=data_path) as c, attached(limited.address) as other:
+        block = np.zeros(200_000, np.float32)  # 800 KB: streamed as a blob, or in shm
         c.write_variables({"a": block})
         c.write_variables({"b": block})
+        held = ("1600000 in resident variables, 0 staged, 800000 in this blob" if data_path == "stream"
+                else "it holds 1600000 bytes in 2 variables")
         with pytest.raises(errors.ResourceExhaustedError,
-                           match=r"would hold 2400000 bytes of resident variables, over the server's "
-                                 r"limit of 2097152 bytes per session \(--max-session-bytes\); it "
-                                 r"holds 1600000 bytes in 2 variables") as info:
+                           match=r"would hold 2400000 bytes.*over the server's limit of 2097152 bytes "
+                                 r"per session \(--max-session-bytes\)") as info:
             c.write_variables({"c": block})
+        assert held in info.value.message
         assert info.value.kind == "session-memory"
         c.write_variables({"a": block + 1})  # replacing does not grow
         other.write_variables({"a": block})  # a limit per session

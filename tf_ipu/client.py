@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from device_server.protocol import device_pb2, device_pb2_grpc, dtypes, ir_pb2
 from tf_ipu import errors
+from tf_ipu.transport import DataPath
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,9 @@ class DeviceClient:
             certificate: the channel then speaks TLS. None: plaintext.
         tls_server_name: the name to check the server's certificate against, if not the
             address's host.
+        data_path: ``"auto"`` (shared memory if the server is on this machine, as a probe
+            at ``open_session`` finds, else streaming), ``"shm"`` or ``"stream"``
+            (``tf_ipu.transport``); None reads ``$TF_IPU_DATA_PATH`` (default ``"auto"``).
 
     Raises:
         ValueError: an empty address or non-positive timeouts.
@@ -189,6 +193,7 @@ class DeviceClient:
         token: str | None = None,
         tls_ca: bytes | str | None = None,
         tls_server_name: str = "",
+        data_path: str | None = None,
     ) -> None:
         if not address or not isinstance(address, str):
             raise ValueError(f"DeviceClient needs a 'host:port' address. Received: {address!r}")
@@ -223,6 +228,15 @@ class DeviceClient:
         self._closed = False
         self._lock = threading.Lock()
         self.heartbeat_failures = 0
+        if data_path is None:
+            data_path = os.environ.get("TF_IPU_DATA_PATH", "").strip() or "auto"
+        self.data = DataPath(self, data_path)
+        self._running: set[Any] = set()   # stoppable calls in progress (grpc futures)
+        self._lock_running = threading.Lock()
+        self._cancel_reason = ""
+        # executable id -> (output specs, outputs that update a variable)
+        self._outputs_of: dict[str, tuple[list[TensorSpec], set[int]]] = {}
+        self._variable_specs: dict[str, TensorSpec] = {}    # key -> spec, as last written
 
     def __repr__(self) -> str:
         sid = self._session.session_id[:8] + ".." if self._session else None
@@ -291,6 +305,65 @@ class DeviceClient:
             raise self._error(method, e, timeout) from None
         except ValueError as e:  # the channel was closed under this call
             raise errors.FailedPreconditionError(f"{method}: {e}", self.address) from None
+
+    def _call_stoppable(self, method: str, request: Any, timeout: float) -> Any:
+        """``_call``, as a call that ``cancel_running`` (another thread) can cancel."""
+        if self._closed:
+            raise errors.FailedPreconditionError(f"{method}: the client is closed.", self.address)
+        if not self._reachable:
+            self._probe()
+        try:
+            future = getattr(self._stub, method).future(
+                request, timeout=timeout, metadata=self._metadata)
+        except ValueError as e:  # the channel was closed under this call
+            raise errors.FailedPreconditionError(f"{method}: {e}", self.address) from None
+        with self._lock_running:
+            self._running.add(future)
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise errors.CancelledError(
+                f"{method} was cancelled by this host ({self._cancel_reason or 'cancelled'}); "
+                f"the device stops it at its next step.", self.address, "cancelled",
+            ) from None
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and self._cancel_reason:
+                raise errors.CancelledError(
+                    f"{method} was cancelled by this host ({self._cancel_reason}); the device "
+                    f"stops it at its next step.", self.address, "cancelled",
+                ) from None
+            raise self._error(method, e, timeout) from None
+        finally:
+            with self._lock_running:
+                self._running.discard(future)
+
+    def _call_stream_in(self, method: str, chunks: Any) -> Any:
+        """A client-streaming call (PutBlob), with ``run_timeout``."""
+        try:
+            return getattr(self._stub, method)(chunks, timeout=self.run_timeout,
+                                               metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(method, e, self.run_timeout) from None
+
+    def _call_stream_out(self, method: str, request: Any) -> Any:
+        """A server-streaming call (GetBlob): yields its messages."""
+        try:
+            yield from getattr(self._stub, method)(request, timeout=self.run_timeout,
+                                                   metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(method, e, self.run_timeout) from None
+
+    def cancel_running(self, reason: str = "cancelled") -> int:
+        """Cancels this client's device calls in progress (from any thread): the server stops
+        each at its next step and keeps the variables of the last completed one. Returns how
+        many calls were cancelled."""
+        with self._lock_running:
+            running = list(self._running)
+        if running:
+            self._cancel_reason = reason
+        for future in running:
+            future.cancel()
+        return len(running)
 
     def _probe(self) -> None:
         """One health check without waiting for a connection: fails fast on a refused
@@ -394,7 +467,13 @@ class DeviceClient:
             )
             self._start_heartbeat(reply.session_id, reply.lease_seconds)
             logger.debug("opened session %s on %s", reply.session_id, self.address)
-            return self._session
+        try:
+            self.data.setup()
+        except BaseException:
+            self.close()
+            raise
+        logger.debug("data path to %s: %s", self.address, self.data.describe())
+        return self._session
 
     def attach(
         self,
@@ -453,6 +532,7 @@ class DeviceClient:
                 self._attachment = None
             self._closed = True
             self._channel.close()
+            self.data.close()
 
     def abandon(self) -> None:
         """Drops the connection without telling the server (for a server that is gone or
@@ -467,6 +547,7 @@ class DeviceClient:
             self._attachment = None
             self._closed = True
             self._channel.close()
+            self.data.close()
 
     def _start_heartbeat(self, session_id: str, lease_seconds: float) -> None:
         interval = max(0.05, lease_seconds / 3.0)
@@ -558,17 +639,22 @@ class DeviceClient:
                 setattr(opts.floating_point_behaviour, name, True)
         if stochastic_rounding_seed:
             opts.stochastic_rounding_seed = int(stochastic_rounding_seed)
-        reply = self._call(
-            "Compile",
-            device_pb2.CompileRequest(session_id=self.session_id, module=module, options=opts),
-            self.run_timeout,
-        )
+        request = device_pb2.CompileRequest(session_id=self.session_id, options=opts)
+        limit = self._session.max_message_bytes if self._session else 0
+        if limit > 0 and module.ByteSize() > limit // 2:  # too big for one message: a blob
+            request.module_blob_id = self.data.put_blob(module.SerializeToString())
+        else:
+            request.module.CopyFrom(module)
+        reply = self._call("Compile", request, self.run_timeout)
         e = reply.estimate
+        outputs = [_spec(o) for o in reply.outputs]
+        aliased = {int(a.output_index) for a in reply.aliases}
+        self._outputs_of[reply.executable_id] = (outputs, aliased)
         return CompiledProgram(
             executable_id=reply.executable_id,
             cache_hit=reply.cache_hit,
             parameters=[_spec(s) for s in reply.parameters],
-            outputs=[_spec(s) for s in reply.outputs],
+            outputs=outputs,
             aliases={int(a.output_index): int(a.parameter_number) for a in reply.aliases},
             estimate=Estimate(
                 ipu_version=e.ipu_version, tiles_per_ipu=e.tiles_per_ipu, clock_hz=e.clock_hz,
@@ -582,30 +668,36 @@ class DeviceClient:
     # -- variables ----------------------------------------------------------------------
 
     def write_variables(self, variables: Mapping[str, np.ndarray]) -> None:
-        """Writes (creating if new) device-resident variables of the session, all at once."""
+        """Writes (creating if new) device-resident variables of the session, all at once.
+        Values past the message budget are streamed first (``tf_ipu.transport``)."""
         request = device_pb2.WriteVariablesRequest(session_id=self.session_id)
-        for key, value in variables.items():
-            named = request.variables.add(key=key)
-            _fill_tensor(named.tensor, value, f"variable {key!r}")
-        self._call("WriteVariables", request, self.run_timeout)
+        with self.data.call() as call:
+            for key, value in variables.items():
+                named = request.variables.add(key=key)
+                call.encode(named.tensor, value, f"variable {key!r}", replaces=key)
+                self._variable_specs[key] = TensorSpec(
+                    dtypes.to_numpy(named.tensor.dtype), tuple(named.tensor.dims))
+            self._call("WriteVariables", request, self.run_timeout)
 
     def read_variables(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
-        """Reads device-resident variables back.
+        """Reads device-resident variables back (through shared memory, inline, or streamed,
+        as ``tf_ipu.transport`` decides).
 
         Returns:
-            key -> array (read-only views of the reply's bytes; copy to modify).
+            key -> array (read-only views of the reply's bytes, or arrays of their own).
 
         Raises:
             NotFoundError: naming the first key the session does not have.
         """
-        reply = self._call(
-            "ReadVariables",
-            device_pb2.ReadVariablesRequest(session_id=self.session_id, keys=list(keys)),
-            self.run_timeout,
-        )
-        return {
-            v.key: dtypes.from_tensor(v.tensor, what=f"variable {v.key!r}") for v in reply.variables
-        }
+        request = device_pb2.ReadVariablesRequest(session_id=self.session_id, keys=list(keys))
+        with self.data.call() as call:
+            for key in request.keys:
+                spec = self._variable_specs.get(key)
+                region = None if spec is None else call.output_region(spec.dtype, spec.shape)
+                if region is not None:
+                    request.regions[key].CopyFrom(region)
+            reply = self._call("ReadVariables", request, self.run_timeout)
+            return {v.key: call.decode(v.tensor, f"variable {v.key!r}") for v in reply.variables}
 
     # -- execution ----------------------------------------------------------------------
 
@@ -615,6 +707,7 @@ class DeviceClient:
         bindings: Sequence[np.ndarray | VariableRef | Any],
         return_updated_variables: bool = False,
         timeout: float | None = None,
+        run_deadline: float = 0.0,
     ) -> list[np.ndarray | None]:
         """Runs an executable once.
 
@@ -624,7 +717,10 @@ class DeviceClient:
                 ``VariableRef`` (a resident variable; if the parameter is aliased to an
                 output, the device keeps the new value under that key).
             return_updated_variables: also send back the new values of resident variables.
-            timeout: deadline in seconds (``run_timeout`` by default).
+            timeout: deadline in seconds of the call (``run_timeout`` by default).
+            run_deadline: seconds after which the server stops the run (0: none but the
+                call's): a device loop ends at its next step and keeps its variables, and the
+                call raises ``DeadlineExceededError``.
 
         Returns:
             The flattened outputs as arrays (read-only views; copy to modify). An output
@@ -634,29 +730,39 @@ class DeviceClient:
         Raises:
             InvalidArgumentError: naming the parameter number, expected and received types.
             NotFoundError: unknown executable id or variable key.
+            CancelledError: ``cancel_running`` cancelled it.
+            DeadlineExceededError: the run deadline (or the call's) passed; the message says
+                after how many steps of its device loop the run stopped.
         """
         request = device_pb2.ExecuteRequest(
             session_id=self.session_id,
             executable_id=executable_id,
             return_updated_variables=return_updated_variables,
+            run_deadline_seconds=max(0.0, float(run_deadline)),
         )
-        for number, b in enumerate(bindings):
-            if isinstance(b, VariableRef):
-                request.parameters.add(variable_key=b.key)
-            else:
-                _fill_tensor(request.parameters.add().value, b, f"parameter {number}")
-        reply = self._call("Execute", request, self.run_timeout if timeout is None else timeout)
-        self.last_device_seconds = reply.device_seconds
-        outputs: list[np.ndarray | None] = []
-        for i, t in enumerate(reply.outputs):
-            count = 1
-            for d in t.dims:
-                count *= d
-            if count and not t.data:
-                outputs.append(None)  # stayed on the device
-            else:
-                outputs.append(dtypes.from_tensor(t, what=f"output {i}"))
-        return outputs
+        with self.data.call() as call:
+            for number, b in enumerate(bindings):
+                if isinstance(b, VariableRef):
+                    request.parameters.add(variable_key=b.key)
+                else:
+                    call.encode(request.parameters.add().value, b, f"parameter {number}")
+            specs, aliased = self._outputs_of.get(executable_id, ([], set()))
+            for i, spec in enumerate(specs):
+                if i in aliased and not return_updated_variables:
+                    continue  # stays on the device
+                region = call.output_region(spec.dtype, spec.shape)
+                if region is not None:
+                    request.output_regions[i].CopyFrom(region)
+            reply = self._call_stoppable(
+                "Execute", request, self.run_timeout if timeout is None else timeout)
+            self.last_device_seconds = reply.device_seconds
+            outputs: list[np.ndarray | None] = []
+            for i, t in enumerate(reply.outputs):
+                if t.WhichOneof("payload") is None and _count(t.dims):
+                    outputs.append(None)  # stayed on the device
+                else:
+                    outputs.append(call.decode(t, f"output {i}"))
+            return outputs
 
     def counters(self) -> dict[str, int]:
         """The server's counters (``sessions_opened``, ``compiles``, ``cache_hits``,
@@ -668,13 +774,12 @@ class DeviceClient:
         return self._call("GetCounters", device_pb2.Empty()).prometheus_text
 
 
+def _count(dims: Iterable[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
 def _spec(s: device_pb2.TensorSpec) -> TensorSpec:
     return TensorSpec(dtypes.to_numpy(s.dtype), tuple(int(d) for d in s.dims))
-
-
-def _fill_tensor(tensor: device_pb2.Tensor, value: Any, what: str) -> None:
-    """``dtypes.fill_tensor``, with a dtype the wire lacks reported naming ``what``."""
-    try:
-        dtypes.fill_tensor(tensor, value)
-    except ValueError as e:
-        raise errors.InvalidArgumentError(f"{what}: {e}") from None

@@ -24,6 +24,8 @@ IPU_VERSIONS = {"ipu1": "ipu1", "ipu2": "ipu2", "bow": "bow", "ipu21": "bow"}
 """Accepted architecture names and the canonical name each stands for."""
 
 _TILES = {"ipu1": 1216, "ipu2": 1472, "bow": 1472}
+DATA_PATHS = ("auto", "shm", "stream")
+DATA_PATH_ENV = "TF_IPU_DATA_PATH"
 _SECRET = frozenset({"server_token"})  # shown as *** by repr
 
 
@@ -183,6 +185,13 @@ class IPUConfig(_Section):
             ``$TF_IPU_SERVER_TOKEN`` if set.
         server_tls_ca: path of the PEM CA certificate (or the PEM bytes) that signed the
             server's TLS certificate; None: plaintext.
+        run_deadline: seconds a device call may run (0: no limit). Past it the device stops
+            the call at its next step, keeps the variables of the last completed step, and
+            the step raises ``tf.errors.DeadlineExceededError``.
+        data_path: how tensors cross to the device: ``"auto"`` (shared memory when the
+            server is on this machine, as a probe finds, else streaming), ``"shm"`` (shared
+            memory, or an error saying why not), ``"stream"`` (gRPC messages and chunked
+            streams). ``$TF_IPU_DATA_PATH`` overrides it.
 
     Example:
         >>> cfg = IPUConfig()
@@ -209,6 +218,8 @@ class IPUConfig(_Section):
                 "connect_timeout": 5.0,
                 "server_token": None,
                 "server_tls_ca": None,
+                "run_deadline": 0.0,
+                "data_path": "auto",
             },
         )
         super().__init__()
@@ -235,6 +246,17 @@ class IPUConfig(_Section):
             raise ValueError(
                 f"IPUConfig.server_tls_ca must be a path or PEM bytes. Received: {type(value).__name__}"
             )
+        if name == "run_deadline":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(
+                    f"IPUConfig.run_deadline must be seconds >= 0 (0: no limit). Received: {value!r}"
+                )
+            value = float(value)
+        if name == "data_path" and value not in DATA_PATHS:
+            raise ValueError(
+                f"IPUConfig.data_path must be one of {', '.join(map(repr, DATA_PATHS))}. "
+                f"Received: {value!r}"
+            )
         if name == "server_address" and value is not None:
             value = str(value)
             if ":" not in value:
@@ -242,6 +264,18 @@ class IPUConfig(_Section):
                     f"IPUConfig.server_address must be 'host:port'. Received: {value!r}"
                 )
         return value
+
+    @property
+    def resolved_data_path(self) -> str:
+        """``$TF_IPU_DATA_PATH`` if set (and valid), else ``data_path``."""
+        env = os.environ.get(DATA_PATH_ENV, "").strip()
+        if env:
+            if env not in DATA_PATHS:
+                raise ValueError(
+                    f"${DATA_PATH_ENV} must be one of {', '.join(DATA_PATHS)}. Received: {env!r}"
+                )
+            return env
+        return self.data_path
 
     @property
     def resolved_server_address(self) -> str | None:

@@ -101,6 +101,14 @@ class DeadlineExceededError(_CodedError):
     CODE = "DEADLINE_EXCEEDED"
 
 
+class CancelledError(_CodedError):
+    """A device call was cancelled (Ctrl-C, ``DeviceClient.cancel_running``, its session
+    closing): the device stopped it at its next step and holds the variables of the last
+    completed one (TF raises ``tf.errors.CancelledError``)."""
+
+    CODE = "CANCELLED"
+
+
 class InvalidArgumentError(_CodedError):
     """The server refused the program or the arguments of a call."""
 
@@ -164,7 +172,7 @@ class InternalError(_CodedError):
 
 _BY_CODE: dict[str, type[_CodedError]] = {
     cls.CODE: cls
-    for cls in (DeviceUnavailableError, DeadlineExceededError, InvalidArgumentError,
+    for cls in (DeviceUnavailableError, DeadlineExceededError, CancelledError, InvalidArgumentError,
                 NotFoundError, ResourceExhaustedError, UnsupportedOpError,
                 FailedPreconditionError, UnauthenticatedError, DeviceStateLostError,
                 InternalError)
@@ -199,7 +207,7 @@ def from_status(code: str, message: str, address: str = "", kind: str = "") -> D
 
 
 __all__ = [
-    "DeadlineExceededError", "DeviceError", "DeviceStateLostError", "DeviceUnavailableError",
+    "CancelledError", "DeadlineExceededError", "DeviceError", "DeviceStateLostError", "DeviceUnavailableError",
     "FailedPreconditionError",
     "FloatingPointExceptionError",
     "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",

@@ -29,6 +29,8 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
+from device_server.protocol import DEVICE_LOOP_NAME
+from tf_ipu import interrupt
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
@@ -385,7 +387,8 @@ class IPUStepFunction:
             entry = self._lower(structure, present, stacked)
             self._programs[key] = entry
         _, runner = entry
-        result = runner(tf.constant(k, tf.int32), *stacked)
+        with interrupt.deferred_interrupt():  # Ctrl-C: KeyboardInterrupt once the call stops
+            result = runner(tf.constant(k, tf.int32), *stacked)
         self.device_calls += 1
         if self.kind == "predict":
             # [N, batch, ...] per output: keep the k real steps, merge steps into the batch.
@@ -457,7 +460,8 @@ class IPUStepFunction:
                         return (i + 1, *[ta.write(i, o) for ta, o in zip(tas, outs, strict=True)])
 
                     _, *tas = tf.while_loop(
-                        lambda i, *_: tf.less(i, n_steps), body, (tf.constant(0), *tas)
+                        lambda i, *_: tf.less(i, n_steps), body, (tf.constant(0), *tas),
+                        name=DEVICE_LOOP_NAME,
                     )
                     return tf.nest.pack_sequence_as(out_spec, [ta.stack() for ta in tas])
 
@@ -467,7 +471,8 @@ class IPUStepFunction:
 
                 initial = [tf.zeros(t.shape, t.dtype) for t in flat_spec]
                 _, *final = tf.while_loop(
-                    lambda i, *_: tf.less(i, n_steps), body, (tf.constant(0), *initial)
+                    lambda i, *_: tf.less(i, n_steps), body, (tf.constant(0), *initial),
+                    name=DEVICE_LOOP_NAME,
                 )
                 return tf.nest.pack_sequence_as(out_spec, final)
 

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from device_server.protocol import ir_pb2
-from tf_ipu import errors
+from tf_ipu import errors, interrupt
 from tf_ipu.client import DeviceClient, VariableRef
 from tf_ipu.config import IPU_VERSIONS
 from tf_ipu.residency import Residency
@@ -93,6 +93,7 @@ class CompileReport:
     cache_hit: bool
     compile_seconds: float
     details: dict[str, Any] = field(default_factory=dict)
+    data_path: str = ""  # how tensors cross to the device (tf_ipu.transport)
 
     def summary(self) -> str:
         return (
@@ -100,6 +101,7 @@ class CompileReport:
             f"est. {self.cycles:,} cycles = {self.seconds * 1e3:.3f} ms per device call; "
             f"peak tile memory {self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
             f"{'' if self.fits else ' (DOES NOT FIT)'}; total {self.total_bytes:,} B"
+            + (f"; data path: {self.data_path}" if self.data_path else "")
         )
 
     def save_html(self, path: str) -> str:
@@ -125,6 +127,7 @@ class DeviceRuntime:
         self.device_calls = 0
         self._stats = {"calls": 0, "client_seconds": 0.0, "device_seconds": 0.0}
         self._in_flight = 0
+        self.interrupts = 0   # Ctrl-Cs that cancelled a device call
 
     # -- configuration -------------------------------------------------------------------
     @property
@@ -169,6 +172,7 @@ class DeviceRuntime:
                 repr(cfg.compile_numerics()),
                 token,
                 cfg.server_tls_ca,
+                cfg.resolved_data_path,
             )
             if self._client is not None and key == self._config_key and self._client.healthy():
                 self._config = cfg
@@ -179,7 +183,7 @@ class DeviceRuntime:
                 self._disconnect()  # release this server's IPUs before attaching again
             try:
                 client = DeviceClient(address, timeout=cfg.connect_timeout, token=token,
-                                      tls_ca=cfg.server_tls_ca)
+                                      tls_ca=cfg.server_tls_ca, data_path=cfg.resolved_data_path)
             except OSError as e:
                 raise ValueError(
                     f"IPUConfig.server_tls_ca: cannot read {cfg.server_tls_ca!r}: {e}"
@@ -203,6 +207,16 @@ class DeviceRuntime:
             for entry in self._programs:
                 entry.executable_id = None
             self.ensure_handler()
+            interrupt.on_interrupt(self._on_interrupt)
+            interrupt.install()
+
+    def _on_interrupt(self) -> None:
+        """Ctrl-C (on the watcher thread, tf_ipu.interrupt): cancels the device call in
+        progress, which the device stops at its next step."""
+        client = self._client
+        if client is not None and client.cancel_running("interrupted by Ctrl-C (SIGINT)"):
+            self.interrupts += 1
+            _log.info("tf_ipu: Ctrl-C: the device call stops at its next step")
 
     def ensure_configured(self) -> None:
         """Connects if there is no connection: with the last configuration (after a lost
@@ -382,6 +396,7 @@ class DeviceRuntime:
             cache_hit=entry.cache_hit,
             compile_seconds=compile_seconds,
             details=details,
+            data_path=self._client.data.describe() if self._client is not None else "",
         )
 
     def execute(self, pid: int, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
@@ -400,9 +415,15 @@ class DeviceRuntime:
                     f"has {len(entry.params)} parameters."
                 )
             start = time.perf_counter()
+            if threading.current_thread() is threading.main_thread():
+                interrupt.install()  # in case the wakeup fd was replaced since
             self._in_flight += 1
             try:
                 results = self._on_device(lambda: self._run(entry, inputs))
+            except KeyboardInterrupt:
+                # Ctrl-C while this (main) thread waited: stop the call on the device too.
+                self._on_interrupt()
+                raise
             finally:
                 self._in_flight -= 1
             self.device_calls += 1
@@ -469,9 +490,17 @@ class DeviceRuntime:
                 for key, value in writes.items():
                     res.uploaded(res.states[key], value)
             results = self.client.execute(
-                entry.executable_id, bindings, return_updated_variables=want_back
+                entry.executable_id, bindings, return_updated_variables=want_back,
+                run_deadline=self._config.run_deadline if self._config is not None else 0.0,
             )
         except errors.DeviceError as e:
+            if e.kind in _STOPPED_KINDS or e.code in ("CANCELLED", "DEADLINE_EXCEEDED"):
+                # Stopped (Ctrl-C, run deadline): the device holds the variables of the last
+                # step it completed, newer than the host's.
+                for param_index in entry.aliases.values():
+                    if param_index in states:
+                        res.device_updated(states[param_index], None)
+                raise
             if not _connection_lost(e):
                 # The call may have run partly (e.g. a deadline passed while it ran): the
                 # device's values are uncertain, so the next call uploads the host's again.
@@ -608,6 +637,11 @@ def _fill_corner(out: np.ndarray, value: np.ndarray, dynamic: tuple[bool, ...], 
         )
     out[...] = 0
     out[tuple(slice(0, v) for v in value.shape)] = value
+
+
+#: Error kinds of a call the device stopped at a step boundary (or before it began); the
+#: server stops a run whose client cancelled or whose deadline passed the same way.
+_STOPPED_KINDS = frozenset({"cancelled", "deadline", "session-closed"})
 
 
 def _connection_lost(error: errors.DeviceError) -> bool:

@@ -30,6 +30,10 @@ Errors: :class:`UnsupportedOpError` (compile time; an opcode without a kernel, o
 :class:`FloatingPointExceptionError` (an ExecutionError: a floating-point exception check
 fired). Messages name the instruction, its opcode, the framework op and the Keras layer.
 
+Stopping: ``exe.run(arrays, stop=StopToken(deadline))``; ``token.stop(reason)`` from any
+thread ends a device loop at its next step, other loops at their next iteration
+(``cancel.py``).
+
 Test switch: ``CompileOptions(fault_inject_opcode="dot")`` perturbs every result of that
 opcode at run time (floats ``x * 1.01 + 1e-3``, integers ``+1``, booleans negated), so a test
 can prove that its comparison would catch a wrong kernel. It is never meant for real runs.
@@ -47,6 +51,7 @@ other states and ``rng`` are repeatable per seed but not XLA's bits.
 """
 
 from device_server.emulator.arch import BOW, GC2, GC200, PRESETS, Target, get_target
+from device_server.emulator.cancel import RunStopped, StopToken
 from device_server.emulator.compiler import CompileOptions, Executable, compile_module
 from device_server.emulator.errors import (
     EmulatorError,
@@ -64,6 +69,8 @@ __all__ = [
     "GC2",
     "GC200",
     "PRESETS",
+    "RunStopped",
+    "StopToken",
     "CompileOptions",
     "EmulatorError",
     "Estimate",

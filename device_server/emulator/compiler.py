@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import dynamic, errors, fusion, jit, kernels, numerics, parallel
+from device_server.emulator import cancel, dynamic, errors, fusion, jit, kernels, numerics, parallel
 from device_server.emulator.arch import Target
 from device_server.emulator.errors import (
     EmulatorError,
@@ -422,7 +422,7 @@ def _generate(
     def fail(e: Exception) -> Exception | None:
         tb = e.__traceback__
         k = -1 if tb is None else tb.tb_lineno - _FIRST_STEP_LINE
-        if not 0 <= k < len(instrs):
+        if not 0 <= k < len(instrs) or isinstance(e, cancel.RunStopped):
             return None
         if isinstance(e, EmulatorError):
             if "while running" not in str(e):
@@ -869,7 +869,10 @@ class _Compiler:
         raw_steps = self._fuse(raw_steps, slot_dims, slot_dtypes, consts_now, root_slot)
         raw_steps = _dots_into_fused(raw_steps, root_slot, slot_dims, slot_dtypes)
         _reuse_buffers(raw_steps, root_slot)
-        if comp.id == self.module.entry_computation_id and self.module.aliases:
+        # A program with a loop may be stopped inside it (cancel.py): it then must not have
+        # written into its donated buffers already.
+        if (comp.id == self.module.entry_computation_id and self.module.aliases
+                and not any(i.opcode == "while" for _, i in raw_steps)):
             _mark_donations(raw_steps, by_id[comp.root_id], root_slot, params, slot_dims,
                             {int(a.output_index): int(a.parameter_number)
                              for a in self.module.aliases})
@@ -1441,8 +1444,13 @@ class Executable:
             out.append(a)
         return out
 
-    def run(self, args: Sequence[np.ndarray], donated: Iterable[int] = ()) -> list[np.ndarray]:
+    def run(self, args: Sequence[np.ndarray], donated: Iterable[int] = (),
+            stop: cancel.StopToken | None = None) -> list[np.ndarray]:
         """Runs the program; returns the flattened entry result as C-contiguous arrays.
+
+        ``stop``: a token that can ask the run to stop (``cancel.py``): a device loop then
+        ends early (``stop.steps_completed`` says after how many steps) and the results are
+        those of its last completed step; else ``cancel.RunStopped`` is raised.
 
         ``donated``: entry parameters (aliased to outputs) whose buffers the caller gives
         up, as XLA's donated buffers: the program may write the aliased output into the
@@ -1461,7 +1469,7 @@ class Executable:
                 if n in aliased and checked[n].flags.writeable and checked[n].flags.c_contiguous
                 and seen[id(checked[n])] == 1
             )
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), cancel.running(stop):
             if self._runner is None:
                 result = self._program(checked, give)
             else:

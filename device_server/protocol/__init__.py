@@ -3,3 +3,7 @@
 The ``*_pb2`` modules are generated from ``protos/device_server/protocol/*.proto`` at build
 time (``make protos``, or ``pip install .``); they are never edited by hand.
 """
+
+#: The TF op name of the loop a host wrote to run N steps in one device call (the while's
+#: ``source_op`` in the IR): a stopped run ends it at a step boundary (emulator/cancel.py).
+DEVICE_LOOP_NAME = "tf_ipu_device_loop"

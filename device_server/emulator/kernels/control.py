@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from device_server.emulator import cancel
 from device_server.emulator.kernels import KernelContext, KernelFn, inline, register
 
 
@@ -123,17 +124,44 @@ def _call(ctx: KernelContext) -> KernelFn:
 def _while(ctx: KernelContext) -> KernelFn:
     """``called_computations`` = (condition, body), as documented in docs/ir.md. State
     elements the body updates in place (``in_place_slots``) are copied once on entry, so the
-    loop owns them and the caller's values stay as they were."""
+    loop owns them and the caller's values stay as they were. A run asked to stop
+    (``emulator/cancel.py``) ends a device loop at its next step and abandons other loops at
+    their next iteration."""
     owned = ctx.in_place_slots(1)
     cond = ctx.computation(0)
     body = ctx.computation(1)
+    device_loop = cancel.is_device_loop(ctx.instr.source_op)
+    where = f"{ctx.instr.name} ({ctx.instr.source_op or 'while'})"
 
     def run(ops: Sequence[Any]) -> Any:
         state = ops[0]
         for path in owned:
             state = _copied_at(state, path)
-        while cond((state,)):
-            state = body((state,))
+        token = cancel.current()
+        if token is None:
+            while cond((state,)):
+                state = body((state,))
+            return state
+        if not device_loop:
+            while cond((state,)):
+                if token.in_loop():
+                    raise token.stopped(where)
+                state = body((state,))
+            return state
+        steps = 0
+        with token.device_loop():
+            while cond((state,)):
+                if token.at_step():
+                    token.ended_early(steps, None)
+                    break
+                try:
+                    state = body((state,))
+                except cancel.RunStopped:
+                    if owned:  # the step wrote part of the state in place: nothing to keep
+                        raise
+                    token.ended_early(steps, None)  # the state before the abandoned step
+                    break
+                steps += 1
         return state
 
     return run

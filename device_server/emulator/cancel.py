@@ -1,0 +1,141 @@
+"""Stopping a running program: at the next step of a device loop, or at the next iteration
+of any other loop.
+
+    service.Execute ──StopToken──> Executable.run(args, stop=token)
+         │ stop(reason): client cancel, deadline,          │ (this thread's token)
+         │ session closed, server shutdown                 v
+         └──────────────────────────────────────> while kernels (kernels/control.py)
+                                                    device loop: ends after the step it is in
+                                                    other loops: raise RunStopped
+
+A *device loop* is the loop the host wrote to run N steps in one call (``tf_ipu``'s Keras
+integration names it ``DEVICE_LOOP_NAME``). Asked to stop, it ends at its next step boundary
+as if its condition were false, so the rest of the program runs and the call's variables are
+those of the last completed step (as Ctrl-C leaves a Keras model on a CPU). A step that does
+not reach its end within ``NESTED_GRACE_SECONDS`` (a ``while`` inside it that never ends) is
+abandoned: the loop returns the state it had before that step, if the step wrote no part of
+that state in place; otherwise the whole call is abandoned. Any other loop raises
+``RunStopped`` at its next iteration: the call is abandoned and the caller keeps nothing of
+it. Programs with loops never write into donated buffers (``compiler._mark_donations``), so
+an abandoned call leaves the variables as they were.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from device_server.emulator.errors import EmulatorError
+from device_server.protocol import DEVICE_LOOP_NAME
+
+__all__ = ["DEVICE_LOOP_NAME", "NESTED_GRACE_SECONDS", "REASONS", "RunStopped", "StopToken",
+           "current", "is_device_loop", "running"]
+#: How long a step of a device loop may go on after a stop was asked before its inner
+#: loops give up.
+NESTED_GRACE_SECONDS = 1.0
+
+#: Why a run stops, as ``StopToken.reason`` spells it.
+REASONS = ("cancelled", "deadline", "session-closed", "shutdown")
+
+
+class RunStopped(EmulatorError):
+    """A run was stopped before it completed a step of its device loop (or it has none):
+    nothing of it is kept. ``reason`` is one of ``REASONS``."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class StopToken:
+    """Asks one run to stop; read by the run's loops. Thread-safe.
+
+    Args:
+        deadline: a ``time.monotonic()`` value after which the run stops by itself
+            (reason ``"deadline"``), or None.
+    """
+
+    def __init__(self, deadline: float | None = None) -> None:
+        self.deadline = deadline
+        self._reason: str | None = None
+        self._asked_at = 0.0
+        self._lock = threading.Lock()
+        self._loops = 0                 # device loops running now
+        #: Steps the outermost device loop completed, and the steps it would have run, once
+        #: it ended early (None while it has not).
+        self.steps_completed: int | None = None
+        self.steps_planned: int | None = None
+
+    def stop(self, reason: str) -> None:
+        """Asks the run to stop (the first reason given is kept)."""
+        with self._lock:
+            if self._reason is None:
+                self._reason = reason
+                self._asked_at = time.monotonic()
+
+    @property
+    def reason(self) -> str | None:
+        """Why the run was asked to stop (a passed deadline counts), or None."""
+        if self._reason is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.stop("deadline")
+        return self._reason
+
+    def at_step(self) -> bool:
+        """At a device loop's step boundary: whether to end the loop now."""
+        return self.reason is not None
+
+    def in_loop(self) -> bool:
+        """At an iteration of any other loop: whether to abandon the run now (at once,
+        unless a device loop is running: then after the grace period)."""
+        if self.reason is None:
+            return False
+        return not self._loops or time.monotonic() - self._asked_at > NESTED_GRACE_SECONDS
+
+    @contextmanager
+    def device_loop(self) -> Iterator[None]:
+        """Marks a device loop as running (inner loops then give its step a grace period)."""
+        with self._lock:
+            self._loops += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loops -= 1
+
+    def ended_early(self, completed: int, planned: int | None) -> None:
+        """Records that the outermost device loop ended after ``completed`` steps."""
+        if self._loops <= 1:
+            self.steps_completed = completed
+            self.steps_planned = planned
+
+    def stopped(self, where: str) -> RunStopped:
+        """The error to raise when the run is abandoned at ``where``."""
+        reason = self.reason or "cancelled"
+        return RunStopped(f"stopped ({reason}) at {where}, before its step completed", reason)
+
+
+def is_device_loop(source_op: str) -> bool:
+    """Whether a ``while`` from TF op ``source_op`` is a device loop: the op itself is named
+    so (TF may add a suffix, ``tf_ipu_device_loop_1``), not merely an op inside it."""
+    return source_op.rsplit("/", 1)[-1].startswith(DEVICE_LOOP_NAME)
+
+
+_current = threading.local()
+
+
+def current() -> StopToken | None:
+    """The token of the run on this thread, or None."""
+    return getattr(_current, "token", None)
+
+
+@contextmanager
+def running(token: StopToken | None) -> Iterator[None]:
+    """Makes ``token`` this thread's run's token for the block."""
+    previous = current()
+    _current.token = token
+    try:
+        yield
+    finally:
+        _current.token = previous
