@@ -35,6 +35,7 @@ BENCHES = {
     "conv": lambda quick: __import__("bench.bench_conv", fromlist=["main"]).main(quick),
     "models": lambda quick: __import__("bench.bench_models", fromlist=["main"]).main(quick),
     "resident": lambda quick: __import__("bench.bench_resident", fromlist=["main"]).main(quick),
+    "transport": lambda quick: __import__("bench.bench_transport", fromlist=["main"]).main(quick),
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

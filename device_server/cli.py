@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds the calls in flight get to finish "
                         "(default 10)")
+    p.add_argument("--unix-socket", default="", metavar="PATH",
+                   help="also serve on this Unix socket (in a private folder); clients on this "
+                        "machine move their calls there after the shared-memory probe")
     p.add_argument("--token-file", default="",
                    help=f"file holding the token clients must present as 'authorization: "
                         f"Bearer <token>' (default: ${TOKEN_ENV} if set, else no token)")
@@ -256,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handle = serve(
             port=args.port, host=args.host, config=config, max_workers=args.workers,
             token=read_token(args.token_file), tls_cert_chain=_read_bytes(args.tls_cert),
-            tls_private_key=_read_bytes(args.tls_key),
+            tls_private_key=_read_bytes(args.tls_key), unix_socket=args.unix_socket,
         )
     except (ValueError, RuntimeError, OSError) as e:
         print(f"device_server: {e}", file=sys.stderr)

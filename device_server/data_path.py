@@ -7,6 +7,10 @@
                   <── shm       into the region the request named for it (co-located)
                   <── blob_id   otherwise: GetBlob streams it out in chunks, then drops it
 
+Infeeds: PushInfeed appends batches to a session's named ``Infeed`` while a run of the session
+may be pulling from it (``emulator/kernels/infeed.py``); batches in shared memory are copied
+out at once, so the host can reuse the region.
+
 One ``SessionData`` per session holds its staged blobs (both ways) and attached segments; it
 is read and written while the session is entered, except for a blob being received, which
 belongs to its PutBlob call alone until it is registered. Staged bytes count against the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,16 +78,65 @@ class TransferCounters:
             return dict(self.values)
 
 
+class Infeed:
+    """The batches the host pushed to one named infeed of a session, oldest first; an end
+    marker (the host ended the feed) is consumed by exactly one pull. Pushes and pulls come
+    from different threads: PushInfeed calls, and the run that holds the session."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._items: deque[list[np.ndarray] | None] = deque()
+        self._cond = threading.Condition()
+        self.nbytes = 0
+        self.pulled = 0
+
+    def push(self, batches: list[list[np.ndarray]], end: bool) -> None:
+        with self._cond:
+            for batch in batches:
+                self._items.append(batch)
+                self.nbytes += sum(int(a.nbytes) for a in batch)
+            if end:
+                self._items.append(None)
+            self._cond.notify_all()
+
+    def pull(self, token: Any, where: str) -> list[np.ndarray] | None:
+        """The next batch (None at an end marker), waiting for the host; gives up when the
+        run is asked to stop (``token.in_loop``, emulator/cancel.py)."""
+        with self._cond:
+            while not self._items:
+                if token is not None and token.in_loop():
+                    raise token.stopped(f"{where}, waiting for the host's next batch")
+                self._cond.wait(0.02)
+            batch = self._items.popleft()
+            if batch is not None:
+                self.nbytes -= sum(int(a.nbytes) for a in batch)
+                self.pulled += 1
+            return batch
+
+
 class SessionData:
-    """A session's blobs and shared-memory segments (see the module docstring)."""
+    """A session's blobs, shared-memory segments and infeeds (see the module docstring)."""
 
     def __init__(self) -> None:
+        self.infeeds: dict[str, Infeed] = {}
         self.blobs_in: dict[str, Blob] = {}
         self.blobs_out: dict[str, np.ndarray] = {}
         self.segments: dict[int, shm.Segment] = {}
         self._next_segment = 1
         self._receiving = 0  # bytes of blobs being received (not yet in blobs_in)
         self._lock = threading.Lock()
+
+    def infeed(self, name: str) -> Infeed:
+        """The infeed ``name``, created on first use (by either side)."""
+        with self._lock:
+            feed = self.infeeds.get(name)
+            if feed is None:
+                feed = self.infeeds[name] = Infeed(name)
+            return feed
+
+    def infeed_bytes(self) -> int:
+        with self._lock:
+            return sum(f.nbytes for f in self.infeeds.values())
 
     def staged_bytes(self, exclude_replacing: Iterable[str] = ()) -> int:
         """Bytes staged in (and being received), the blobs replacing ``exclude_replacing``
@@ -148,6 +202,7 @@ class SessionData:
         """Drops everything (the session ends)."""
         self.blobs_in.clear()
         self.blobs_out.clear()
+        self.infeeds.clear()
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()

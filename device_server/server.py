@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import os
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -177,6 +178,7 @@ def serve(
     token: str = "",
     tls_cert_chain: bytes | None = None,
     tls_private_key: bytes | None = None,
+    unix_socket: str = "",
 ) -> ServerHandle:
     """Starts a device server and returns once it is serving.
 
@@ -189,6 +191,10 @@ def serve(
         token: if set, every call but health checks must carry
             ``authorization: Bearer <token>`` metadata (UNAUTHENTICATED otherwise).
         tls_cert_chain, tls_private_key: PEM bytes; given both, the server speaks TLS only.
+        unix_socket: also serve (plaintext) on this Unix socket path, which sessions are told
+            of: a client that proves it shares this machine (the shared-memory probe) moves
+            its calls there. Its folder should be private (mode 0700); the socket is made
+            0600. Not with TLS.
 
     Returns:
         A ``ServerHandle``.
@@ -233,6 +239,16 @@ def serve(
         raise RuntimeError(f"Could not bind the device server to {format_address(host, port)}: {e}") from e
     if bound == 0:
         raise RuntimeError(f"Could not bind the device server to {format_address(host, port)}.")
+    if unix_socket and tls_cert_chain is None:
+        if os.path.exists(unix_socket):
+            os.unlink(unix_socket)
+        previous = os.umask(0o177)  # the socket is created 0600
+        try:
+            if server.add_insecure_port(f"unix:{unix_socket}") == 0:
+                raise RuntimeError(f"Could not bind the device server to unix:{unix_socket}.")
+        finally:
+            os.umask(previous)
+        config.unix_socket = unix_socket
     server.start()
     service.start()
     for name in ("", SERVICE_NAME):

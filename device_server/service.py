@@ -18,7 +18,7 @@ program may produce), how long a call may wait (request deadline), calls queued 
 While the server shuts down (``begin_shutdown``) new work is refused with UNAVAILABLE and
 calls already running finish. Each RPC ends with one log record on ``device_server.rpc``
 (method, session, status, duration, bytes), which ``--log-format json`` prints as one JSON
-line. A run stops early (``emulator/cancel.py``) when its client cancels or goes away, at its
+line (successful per-step calls at DEBUG, ``--log-level debug``). A run stops early (``emulator/cancel.py``) when its client cancels or goes away, at its
 run deadline or the call's deadline, when its session closes and when the server shuts
 down: a device loop at its next step, keeping the variables of the last completed step;
 other loops at their next iteration, keeping nothing of the call.
@@ -88,8 +88,12 @@ _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 #: Calls still served while the server shuts down (they start no new work).
 _ALLOWED_WHILE_DRAINING = frozenset(
-    {"CloseSession", "Heartbeat", "DetachIpus", "ReadVariables", "GetCounters", "GetBlob"}
+    {"CloseSession", "Heartbeat", "DetachIpus", "ReadVariables", "GetCounters", "GetBlob",
+     "CancelRun"}
 )
+#: Calls made once per step or more often: their successful records are DEBUG.
+_QUIET_WHEN_OK = frozenset({"Execute", "Heartbeat", "ReadVariables", "WriteVariables", "PutBlob",
+                            "GetBlob", "CancelRun", "PushInfeed"})
 #: The status of a stopped run, by reason (emulator/cancel.py), and how messages say it.
 _STOP_STATUS = {
     "cancelled": (grpc.StatusCode.CANCELLED, "cancelled"),
@@ -126,6 +130,8 @@ class ServiceConfig:
             largest array a program may produce (0: no limit).
         request_deadline_seconds: longest a call may wait (for its session's earlier call,
             for free IPUs) on top of the client's own deadline (0: the client's only).
+        unix_socket: the Unix socket the server also listens on ("" for none), told to
+            sessions (``OpenSessionReply.unix_socket``).
     """
 
     num_ipus: int = 1
@@ -138,6 +144,7 @@ class ServiceConfig:
     max_waiting_calls: int = 8
     max_session_bytes: int = 4 << 30
     request_deadline_seconds: float = 600.0
+    unix_socket: str = ""
 
 
 @dataclass
@@ -319,6 +326,8 @@ class DeviceService:
             "Execute": (self.execute, device_pb2.ExecuteRequest),
             "GetCounters": (self.get_counters, device_pb2.Empty),
             "AttachSharedMemory": (self.attach_shared_memory, device_pb2.AttachSharedMemoryRequest),
+            "CancelRun": (self.cancel_run, device_pb2.SessionRef),
+            "PushInfeed": (self.push_infeed, device_pb2.PushInfeedRequest),
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
@@ -518,11 +527,17 @@ class DeviceService:
         exc_info: bool = False,
     ) -> None:
         """Writes the one log record of an RPC to ``device_server.rpc``: INFO if it went
-        well, WARNING for an error, ERROR with the traceback for a fault inside the server.
+        well (DEBUG for the per-step calls, ``_QUIET_WHEN_OK``: a record per step would cost
+        the step a fifth of its time on loopback and flood the log; the counters and the
+        latency histogram cover them), WARNING for an error, ERROR with the traceback for a
+        fault inside the server.
         The fields travel as ``record.rpc`` (``--log-format json`` prints them). Sessions are
         shown by the first 8 characters of their id, here and in every log line of the
         server: the whole id is a credential."""
-        level = logging.INFO if status == "OK" else logging.ERROR if exc_info else logging.WARNING
+        if status == "OK":
+            level = logging.DEBUG if method in _QUIET_WHEN_OK else logging.INFO
+        else:
+            level = logging.ERROR if exc_info else logging.WARNING
         if not rpc_logger.isEnabledFor(level):
             return
         fields: dict[str, Any] = {
@@ -599,6 +614,7 @@ class DeviceService:
             max_message_bytes=self.config.max_message_bytes,
             lease_seconds=session.lease_seconds,
             max_session_bytes=self.config.max_session_bytes,
+            unix_socket=self.config.unix_socket,
         )
 
     def close_session(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
@@ -894,7 +910,7 @@ class DeviceService:
                 if source == "value":
                     value = tensor_value(s.data, binding.value, f"{what}: parameter {number}",
                                          self.transfers)
-                    received = f"a value of {_spec(value.dtype, value.shape)}"
+                    received = "value"  # spelled below, only if it does not match
                 elif source == "variable_key":
                     key = binding.variable_key
                     value = s.variables.get(key)
@@ -912,8 +928,9 @@ class DeviceService:
                         _INVALID, f"{what}: parameter {number} has neither a value nor a variable key."
                     )
                 if value.dtype != dt or tuple(value.shape) != tuple(shape):
-                    received = received or (
-                        f"variable {binding.variable_key!r} of {_spec(value.dtype, value.shape)}")
+                    received = (f"a value of {_spec(value.dtype, value.shape)}" if received
+                                else f"variable {binding.variable_key!r} of "
+                                     f"{_spec(value.dtype, value.shape)}")
                     raise ServiceError(
                         _INVALID,
                         f"{what}: parameter {number} expects {_spec(dt, tuple(shape))}, "
@@ -960,9 +977,10 @@ class DeviceService:
 
             # Updated variables' buffers are donated: the program may write their new values
             # into them (as XLA does with donated buffers); a variable bound twice is not.
-            bound = Counter(variable_of.values())
+            bound = Counter(variable_of.values()) if updates else {}
             donated = [exe.aliases[o] for o, key in updates.items() if bound[key] == 1]
             token = self._stop_token(request.run_deadline_seconds)
+            token.infeed = lambda feed, tok, where: s.data.infeed(feed).pull(tok, where)
             start = time.perf_counter()
             try:
                 with s.run(token):
@@ -1020,6 +1038,44 @@ class DeviceService:
                 else:
                     dtypes.fill_tensor(reply.outputs.add(), out, with_data=False)
             return reply
+
+    def push_infeed(self, request: device_pb2.PushInfeedRequest) -> device_pb2.Empty:
+        """Appends batches to one of the session's infeeds (without entering the session: a
+        run of it may be pulling from that infeed right now)."""
+        s = self.sessions.get(request.session_id)
+        if not request.feed:
+            raise ServiceError(_INVALID, "PushInfeed: the request names no feed.")
+        batches: list[list[np.ndarray]] = []
+        for b, batch in enumerate(request.batches):
+            values = []
+            for k, tensor in enumerate(batch.values):
+                what = f"PushInfeed {request.feed!r}: batch {b}, value {k}"
+                if tensor.WhichOneof("payload") == "blob_id":
+                    raise ServiceError(_INVALID, f"{what}: an infeed batch travels inline or in "
+                                                 f"shared memory, not as a blob.")
+                value = tensor_value(s.data, tensor, what, self.transfers)
+                if tensor.WhichOneof("payload") == "shm":
+                    value = np.array(value)  # the host reuses the region once this returns
+                values.append(value)
+            batches.append(values)
+        limit = self.config.max_session_bytes
+        incoming = sum(int(v.nbytes) for batch in batches for v in batch)
+        queued = s.data.infeed_bytes()
+        if limit > 0 and queued + incoming > limit:
+            raise ServiceError(
+                _EXHAUSTED, f"PushInfeed {request.feed!r}: {queued + incoming} bytes of batches "
+                f"would wait in session {s.session_id}'s infeeds, over the server's limit of "
+                f"{limit} bytes per session (--max-session-bytes).", kind="session-memory")
+        s.data.infeed(request.feed).push(batches, request.end)
+        self.counters.add("infeed_batches", len(batches))
+        s.touch()
+        return device_pb2.Empty()
+
+    def cancel_run(self, request: device_pb2.SessionRef) -> device_pb2.CancelRunReply:
+        """Stops the session's runs in progress at their next step (no need to enter the
+        session: the run holds it)."""
+        s = self.sessions.get(request.session_id)
+        return device_pb2.CancelRunReply(runs_stopped=s.stop_runs("cancelled"))
 
     # -- counters -----------------------------------------------------------------------
 

@@ -219,7 +219,65 @@ def steps_module(dim: int = 64, device_loop: bool = True, name: str = "steps") -
     loop = main.op("while", [main.tuple([main.constant(np.array(0, np.int32)), w, n, stall])],
                    state, called=[1, 2])
     if device_loop:
-        m.computations[-1].instructions[loop].source_op = "tf_ipu_device_loop"
+        main.comp.instructions[loop].source_op = "tf_ipu_device_loop"
+    main.root(main.tuple([main.op("get-tuple-element", [loop], s32, index=0),
+                          main.op("get-tuple-element", [loop], vec, index=1)]))
+    m.aliases.add(output_index=1, parameter_number=0)
+    m.computations.sort(key=lambda c: c.id)
+    return m
+
+
+def infeed_module(feed: str = "batches", dim: int = 8, name: str = "infeed") -> ir_pb2.Module:
+    """A device loop that pulls its batches from infeed ``feed`` as Graphcore's do: up to
+    ``n`` steps of ``w = w + rowsum(x)``, the next batch ``x: f32[4, dim]`` pulled at the end
+    of each step (and one before the loop); it stops early when the host ends the feed.
+
+    Parameters ``w: f32[dim]`` (resident), ``n: s32[]``; outputs ``(steps run: s32[], new w)``
+    with output 1 aliased to parameter 0.
+    """
+    m = ir_pb2.Module(name=name, entry_computation_id=0, frontend="test")
+    s32, pred = array_shape(np.int32, []), array_shape(np.bool_, [])
+    vec, batch = array_shape(np.float32, [dim]), array_shape(np.float32, [4, dim])
+    pulled = ir_pb2.Shape(is_tuple=True, tuple_shapes=[pred, batch])
+    state = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, vec, s32, pred, batch])  # i w n ok x
+
+    def pull(b: Builder, i: int) -> tuple[int, int]:
+        got = b.op("custom-call", [i], pulled, custom_call_target="tf_ipu_infeed",
+                   backend_config=feed)
+        return (b.op("get-tuple-element", [got], pred, index=0),
+                b.op("get-tuple-element", [got], batch, index=1))
+
+    cond = Builder(m, 1, "cond")
+    p = cond.parameter(state)
+    i = cond.op("get-tuple-element", [p], s32, index=0)
+    n = cond.op("get-tuple-element", [p], s32, index=2)
+    ok = cond.op("get-tuple-element", [p], pred, index=3)
+    more = cond.op("compare", [i, n], pred, direction="LT", compare_type="SIGNED")
+    cond.root(cond.op("and", [more, ok]))
+
+    add = Builder(m, 3, "add")
+    add.root(add.op("add", [add.parameter(array_shape(np.float32, [])),
+                            add.parameter(array_shape(np.float32, []))]))
+
+    body = Builder(m, 2, "body")
+    p = body.parameter(state)
+    i = body.op("get-tuple-element", [p], s32, index=0)
+    w = body.op("get-tuple-element", [p], vec, index=1)
+    n = body.op("get-tuple-element", [p], s32, index=2)
+    x = body.op("get-tuple-element", [p], batch, index=4)
+    rows = body.op("reduce", [x, body.constant(np.array(0, np.float32))], vec, called=[3],
+                   dimensions=[0])
+    nxt = body.op("add", [i, body.constant(np.array(1, np.int32))])
+    ok, x2 = pull(body, nxt)
+    body.root(body.tuple([nxt, body.op("add", [w, rows]), n, ok, x2]))
+
+    main = Builder(m, 0, "main")
+    w = main.parameter(vec)
+    n = main.parameter(s32)
+    zero = main.constant(np.array(0, np.int32))
+    ok, x = pull(main, zero)
+    loop = main.op("while", [main.tuple([zero, w, n, ok, x])], state, called=[1, 2])
+    main.comp.instructions[loop].source_op = "tf_ipu_device_loop"
     main.root(main.tuple([main.op("get-tuple-element", [loop], s32, index=0),
                           main.op("get-tuple-element", [loop], vec, index=1)]))
     m.aliases.add(output_index=1, parameter_number=0)

@@ -612,7 +612,7 @@ def test_tls_token_and_json_logs_through_the_command_line(ipu_system, tmp_path):
     log = tmp_path / "server.log"
     server = su.ServerProcess.start(
         ["--tls-cert", str(cert), "--tls-key", str(key), "--token-file", str(token_file),
-         "--log-format", "json", "--ipus", "2"], log_path=log)
+         "--log-format", "json", "--log-level", "debug", "--ipus", "2"], log_path=log)
     try:
         with attached(server.address, token="tls-token", tls_ca=str(cert)) as c:
             check_sgd(c, c.compile(su.sgd_module()).executable_id)

@@ -1,6 +1,7 @@
 """The embedded default: a device server started as a child process of this one.
 
     this process --spawns--> python -m device_server --port 0 --port-file F --parent-pid <pid>
+                                 --unix-socket <workdir>/grpc.sock
                  <--reads--  F (the bound port, written atomically once serving)
 
 The child watches this process and exits when it is gone, so it never outlives the host even
@@ -125,6 +126,7 @@ def start_local_server(
         "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
         "--parent-pid", str(os.getpid()),
         "--ipus", str(num_ipus), "--ipu-version", ipu_version,
+        "--unix-socket", os.path.join(workdir, "grpc.sock"),
         *[str(a) for a in extra_args],
     ]
     with open(log_path, "wb") as log:

@@ -214,7 +214,7 @@ class DeviceRuntime:
         """Ctrl-C (on the watcher thread, tf_ipu.interrupt): cancels the device call in
         progress, which the device stops at its next step."""
         client = self._client
-        if client is not None and client.cancel_running("interrupted by Ctrl-C (SIGINT)"):
+        if client is not None and client.cancel_running():
             self.interrupts += 1
             _log.info("tf_ipu: Ctrl-C: the device call stops at its next step")
 

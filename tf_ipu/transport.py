@@ -24,6 +24,7 @@ this side's transport held for one streamed transfer beyond the payload itself.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ class DataPath:
         self.kind = "stream"           # what is in use: "shm" or "stream"
         self.reason = "not set up"     # why streaming, when it is
         self.counters: dict[str, int] = {}
+        self.control = "gRPC"          # how requests travel ("gRPC over Unix socket")
         self._segment: shm.Segment | None = None
         self._segment_id = 0
         self._allocator: shm.RegionAllocator | None = None
@@ -121,7 +123,7 @@ class DataPath:
     def describe(self) -> str:
         """One line for reports: the path in use and, for streaming in auto mode, why."""
         if self.kind == "shm" and self._segment is not None:
-            return f"shared memory ({self._segment.nbytes >> 20} MiB segment) + gRPC control"
+            return f"shared memory ({self._segment.nbytes >> 20} MiB segment) + {self.control}"
         return f"gRPC streaming ({self.reason})" if self.reason else "gRPC streaming"
 
     def close(self) -> None:
@@ -286,8 +288,10 @@ class Call:
                 self.path._release_quarantine(self.started_after)
         self._regions = []
 
-    def encode(self, tensor: device_pb2.Tensor, value: Any, what: str, replaces: str = "") -> None:
-        """Fills a request's ``tensor`` with ``value``: a region, inline bytes or a blob."""
+    def encode(self, tensor: device_pb2.Tensor, value: Any, what: str, replaces: str = "",
+               inline_only: bool = False) -> None:
+        """Fills a request's ``tensor`` with ``value``: a region, inline bytes or a blob
+        (``inline_only``: never a blob; too big for the message is an error then)."""
         a = np.asarray(value, order="C")
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
@@ -296,7 +300,7 @@ class Call:
         except ValueError as e:
             raise errors.InvalidArgumentError(f"{what}: {e}") from None
         nbytes = int(a.nbytes)
-        place = self.path._alloc(nbytes)
+        place = self.path._alloc(nbytes) if nbytes >= SHM_MIN_BYTES else None
         if place is not None:
             segment_id, offset = place
             self._regions.append(place)
@@ -312,6 +316,10 @@ class Call:
             dtypes.fill_tensor(tensor, a)
             self.path._count("inline_bytes_out", nbytes)
             return
+        if inline_only:
+            raise errors.InvalidArgumentError(
+                f"{what}: {nbytes} bytes do not fit in one message (the budget left is "
+                f"{self.budget} bytes) and cannot be streamed here.", self.path.client.address)
         tensor.dtype = code
         tensor.dims.extend(a.shape)
         tensor.blob_id = self.path.put_blob(a, replaces)
@@ -319,7 +327,9 @@ class Call:
     def output_region(self, dtype: np.dtype, shape: tuple[int, ...]) -> device_pb2.ShmRegion | None:
         """A region for a reply's tensor of ``dtype`` and ``shape`` (its bound), if shared
         memory is on and it is big enough to be worth one."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if self.path.kind != "shm":
+            return None
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         place = self.path._alloc(nbytes)
         if place is None:
             return None

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from device_server.emulator.errors import EmulatorError
 from device_server.protocol import DEVICE_LOOP_NAME
@@ -57,8 +58,11 @@ class StopToken:
             (reason ``"deadline"``), or None.
     """
 
-    def __init__(self, deadline: float | None = None) -> None:
+    def __init__(self, deadline: float | None = None, infeed: Any = None) -> None:
         self.deadline = deadline
+        #: Where the run's infeed custom-calls get batches (kernels/infeed.py):
+        #: ``infeed(feed, token, where) -> list[np.ndarray] | None`` (None: the feed ended).
+        self.infeed = infeed
         self._reason: str | None = None
         self._asked_at = 0.0
         self._lock = threading.Lock()

@@ -95,7 +95,7 @@ __all__ = ["CompileOptions", "Executable", "compile_module", "literal_to_value"]
 # Kernel modules. The spatial ones (conv, window, indexing) are written separately and may be
 # absent from a checkout; the rest are required.
 _KERNEL_MODULES = ("elementwise", "shapes", "dot", "reduce", "control", "rng", "linalg", "norm", "fft",
-                   "custom_linalg")
+                   "custom_linalg", "infeed")
 _OPTIONAL_KERNEL_MODULES = ("conv", "window", "indexing")
 
 
@@ -115,6 +115,8 @@ _load_kernels()
 ALWAYS_REFUSED: frozenset[str] = frozenset()
 # Opcodes that are evaluated at compile time when all their operands are constants.
 _NOT_FOLDABLE = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "outfeed"})
+# custom-call targets that talk to the host at run time (never folded at compile time).
+_RUN_TIME_TARGETS = frozenset({"tf_ipu_infeed"})
 _FOLD_LIMIT_BYTES = 16 << 20
 # Ops that only pass their operand on (the value is immutable, so no copy is needed).
 _FORWARDING = frozenset({"copy", "opt-barrier"})
@@ -831,6 +833,8 @@ class _Compiler:
             foldable = (
                 op != fault and op not in _NOT_FOLDABLE and all(is_const[s] for s in in_slots)
                 and op not in ("while", "conditional", "call")  # keep loops out of compile time
+                and not (op == "custom-call"
+                         and kernels.custom_call_target(instr) in _RUN_TIME_TARGETS)
             )
             if foldable:
                 try:
