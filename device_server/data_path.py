@@ -42,6 +42,9 @@ _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 #: Bytes of one chunk of a blob (at most a quarter of the message limit).
 DEFAULT_CHUNK_BYTES = 4 << 20
+#: A reply's tensor larger than this goes as a blob even if it fits the message (chunks move
+#: faster, and do not hold up the calls queued behind one big message).
+INLINE_MAX_BYTES = 4 << 20
 #: Segments a session may have attached at once (the client grows by attaching a new one).
 MAX_SEGMENTS = 2
 
@@ -90,8 +93,11 @@ class Infeed:
         self.nbytes = 0
         self.pulled = 0
 
-    def push(self, batches: list[list[np.ndarray]], end: bool) -> None:
+    def push(self, batches: list[list[np.ndarray]], end: bool, reset: bool = False) -> None:
         with self._cond:
+            if reset:
+                self._items.clear()
+                self.nbytes = 0
             for batch in batches:
                 self._items.append(batch)
                 self.nbytes += sum(int(a.nbytes) for a in batch)
@@ -295,7 +301,7 @@ def fill_reply_tensor(data: SessionData, tensor: device_pb2.Tensor, array: np.nd
         if counters is not None:
             counters.add("shm_bytes_out", nbytes)
         return
-    if budget.take(nbytes):
+    if nbytes <= INLINE_MAX_BYTES and budget.take(nbytes):
         dtypes.fill_tensor(tensor, a)
         return
     dtypes.fill_tensor(tensor, a, with_data=False)
@@ -303,9 +309,11 @@ def fill_reply_tensor(data: SessionData, tensor: device_pb2.Tensor, array: np.nd
 
 
 def receive_blob(chunks: Iterator[device_pb2.BlobChunk], first: device_pb2.BlobChunk,
-                 data: SessionData, counters: TransferCounters) -> Blob:
+                 data: SessionData, counters: TransferCounters,
+                 touch: Any = None) -> Blob:
     """Copies a PutBlob stream into a new buffer of the size (and type) its first chunk
-    declares. The caller has reserved ``first.total_bytes`` in ``data``."""
+    declares. The caller has reserved ``first.total_bytes`` in ``data``; ``touch()`` (the
+    session's lease) is called at every chunk."""
     total = int(first.total_bytes)
     if first.dims or first.dtype:
         dt, dims = _type_of(first, "PutBlob")
@@ -328,6 +336,8 @@ def receive_blob(chunks: Iterator[device_pb2.BlobChunk], first: device_pb2.BlobC
         flat[offset:offset + n] = np.frombuffer(chunk.data, np.uint8)
         offset += n
         held = max(held, n)
+        if touch is not None:
+            touch()
     if offset != total:
         raise ServiceError(
             _INVALID, f"PutBlob: the stream ended after {offset} of the {total} bytes its "
@@ -342,10 +352,10 @@ def _with_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
-def send_blob(array: np.ndarray, chunk_bytes: int,
-              counters: TransferCounters) -> Iterator[device_pb2.BlobChunk]:
+def send_blob(array: np.ndarray, chunk_bytes: int, counters: TransferCounters,
+              touch: Any = None) -> Iterator[device_pb2.BlobChunk]:
     """A GetBlob stream of ``array``'s bytes (its buffer read in place, one chunk copied at a
-    time)."""
+    time); ``touch()`` at every chunk."""
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     total = int(flat.nbytes)
     counters.peak("stream_peak_bytes_held", 2 * min(chunk_bytes, total))
@@ -354,5 +364,7 @@ def send_blob(array: np.ndarray, chunk_bytes: int,
         return
     for offset in range(0, total, chunk_bytes):
         piece = flat[offset:offset + chunk_bytes].tobytes()
+        if touch is not None:
+            touch()
         yield device_pb2.BlobChunk(total_bytes=total if offset == 0 else 0, data=piece)
     counters.add("stream_bytes_out", total)

@@ -840,7 +840,7 @@ class DeviceService:
                 )
             s.data.reserve(total)
         try:
-            blob: Blob = receive_blob(iter(rest), first, s.data, self.transfers)
+            blob: Blob = receive_blob(iter(rest), first, s.data, self.transfers, s.touch)
         finally:
             s.data.release(total)
         with self._enter(first.session_id):
@@ -858,7 +858,7 @@ class DeviceService:
         limit = self.config.max_message_bytes
         if limit > 0:
             chunk = min(chunk, max(1, limit // 4))
-        return _StreamReply(send_blob(array, chunk, self.transfers))
+        return _StreamReply(send_blob(array, chunk, self.transfers, s.touch))
 
     def attach_shared_memory(
         self, request: device_pb2.AttachSharedMemoryRequest
@@ -1066,7 +1066,7 @@ class DeviceService:
                 _EXHAUSTED, f"PushInfeed {request.feed!r}: {queued + incoming} bytes of batches "
                 f"would wait in session {s.session_id}'s infeeds, over the server's limit of "
                 f"{limit} bytes per session (--max-session-bytes).", kind="session-memory")
-        s.data.infeed(request.feed).push(batches, request.end)
+        s.data.infeed(request.feed).push(batches, request.end, request.reset)
         self.counters.add("infeed_batches", len(batches))
         s.touch()
         return device_pb2.Empty()

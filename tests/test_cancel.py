@@ -157,7 +157,7 @@ def test_keras_run_deadline_keeps_the_last_completed_step(ipu_system):
 
 
 _SIGINT_SCRIPT = r"""
-import os, sys, time
+import os, sys, threading, time
 import numpy as np, keras
 import tf_ipu
 from keras_util import stall_model
@@ -170,7 +170,11 @@ y = x[:, :1] * 2.0
 
 class Started(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
-        print("STARTED", flush=True)
+        def watch():  # says when the device call is running (its step 2 never ends)
+            while not tf_ipu.get_runtime().call_in_flight():
+                time.sleep(0.01)
+            print("STARTED", flush=True)
+        threading.Thread(target=watch, daemon=True).start()
 
 with tf_ipu.IPUStrategy().scope():
     model = stall_model(stall_at=2)
@@ -201,7 +205,7 @@ def test_sigint_during_a_never_ending_fit_raises_keyboard_interrupt(device_serve
         for line in child.stdout:
             lines.append(line.rstrip())
             if line.startswith("STARTED") and sent is None:
-                time.sleep(1.0)  # inside the device call: its step 2 never ends
+                time.sleep(0.5)  # inside the device call: its step 2 never ends
                 sent = time.monotonic()
                 child.send_signal(signal.SIGINT)
             if line.startswith("INTERRUPTED"):

@@ -336,3 +336,37 @@ def test_tf_checkpoint_save_and_restore_cross_the_device(strategy, tmp_path):
     cpu = mlp()
     cpu.set_weights(saved)
     assert rel_l2(model.predict(x, verbose=0), cpu.predict(x, verbose=0)) <= 1e-5
+
+
+def test_device_pull_feeds_the_loop_while_it_runs_with_the_same_results(strategy):
+    """set_infeed_queue_options(device_pull=True): the device loop pulls each batch from an
+    infeed during the call while the host pulls and pushes the next ones (shown by pulls
+    made while the device call was in flight), with the same bits as the stacked infeed;
+    an epoch's smaller last batch ends a call's feed and runs as its own program."""
+    import time
+
+    x, y = classification_data(120, (16,), seed=11)  # 7 batches of 16, then one of 8
+
+    def slow(a, b):
+        time.sleep(0.02)  # a slow source: 20 ms a batch
+        return a, b
+
+    def data():
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        ds = ds.map(lambda a, b: tf.py_function(slow, [a, b], (tf.float32, tf.int64)))
+        return ds.map(lambda a, b: (tf.ensure_shape(a, [None, 16]), tf.ensure_shape(b, [None])))
+
+    results = []
+    for pull in (False, True):
+        ref, ipu = _pair(strategy, 8)
+        ipu.set_infeed_queue_options(device_pull=pull)
+        history = ipu.fit(data(), epochs=2, verbose=0).history
+        evaluated = ipu.evaluate(data(), verbose=0)
+        results.append((history["loss"], evaluated, ipu.get_weights(),
+                        ipu.train_function.pulls_overlapped, ipu.train_function.device_calls))
+    (loss0, ev0, w0, overlapped0, calls0), (loss1, ev1, w1, overlapped1, calls1) = results
+    assert overlapped0 == 0 and overlapped1 >= 2, (overlapped0, overlapped1)
+    assert calls0 == calls1 == 4  # per epoch: 7 full batches in one call, the last in another
+    assert loss0 == loss1 and ev0 == ev1
+    for a, b in zip(w0, w1, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -775,12 +775,14 @@ class DeviceClient:
             return outputs
 
     def push_infeed(self, feed: str, batches: Sequence[Sequence[np.ndarray]],
-                    end: bool = False) -> None:
+                    end: bool = False, reset: bool = False) -> None:
         """Appends ``batches`` (each a list of arrays, in the order the program's
         ``tf_ipu_infeed`` custom-call declares them) to the session's infeed ``feed``; ``end``
-        ends the feed after them. Runs alongside an ``execute`` of the same session, from
-        another thread: the device pulls the batches as its loop reaches them."""
-        request = device_pb2.PushInfeedRequest(session_id=self.session_id, feed=feed, end=end)
+        ends the feed after them; ``reset`` first drops what the feed holds. Runs alongside an
+        ``execute`` of the same session, from another thread: the device pulls the batches as
+        its loop reaches them."""
+        request = device_pb2.PushInfeedRequest(session_id=self.session_id, feed=feed, end=end,
+                                               reset=reset)
         with self.data.call() as call:
             for b, batch in enumerate(batches):
                 out = request.batches.add()

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
-from device_server.protocol import DEVICE_LOOP_NAME
+from device_server.protocol import DEVICE_LOOP_NAME, INFEED_TARGET
 from tf_ipu import interrupt
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
@@ -82,6 +83,11 @@ _log = logging.getLogger("tf_ipu")
 # other. It pays when pulling waits (files, a slow source) or cores are spare.
 _DEFAULT_PREFETCH_DEPTH = 0
 _PREFETCH_ATTR = "_tf_ipu_prefetch_depth"
+_DEFAULT_DEVICE_PULL = False
+_DEVICE_PULL_ATTR = "_tf_ipu_device_pull"
+#: Batches the host pulls (in one traced call) and pushes (in one PushInfeed) at a time when
+#: the device pulls from an infeed.
+_PUSH_GROUP = 8
 
 
 def infeed_prefetch_depth(model: Any) -> int:
@@ -89,11 +95,22 @@ def infeed_prefetch_depth(model: Any) -> int:
     return int(getattr(model, _PREFETCH_ATTR, _DEFAULT_PREFETCH_DEPTH))
 
 
-def set_infeed_queue_options(self: Any, prefetch_depth: int | None = None, **kwargs: Any) -> None:
+def infeed_device_pull(model: Any) -> bool:
+    """Whether ``model``'s device loops pull their batches from an infeed during the call."""
+    return bool(getattr(model, _DEVICE_PULL_ATTR, _DEFAULT_DEVICE_PULL))
+
+
+def set_infeed_queue_options(self: Any, prefetch_depth: int | None = None,
+                             device_pull: bool | None = None, **kwargs: Any) -> None:
     """Graphcore's ``model.set_infeed_queue_options``: ``prefetch_depth`` is how many device
     calls ahead the host pulls and stacks batches while the device computes (0: none, the
-    default; None: the default). A depth above 1 is accepted and pulls one call ahead. Other options of Graphcore's infeed queue have no effect here and
-    are named in a warning.
+    default; None: the default). A depth above 1 is accepted and pulls one call ahead.
+    ``device_pull=True``: the device loop of ``fit``/``evaluate`` pulls each step's batch
+    from an infeed while it runs, as Graphcore's infeed queues work (the host pushes batches
+    as its pipeline yields them, so the device starts on the first batch and the host
+    prepares the next ones meanwhile); False (the default): the call takes its N batches
+    stacked. Other options of Graphcore's infeed queue have no effect here and are named in a
+    warning.
 
     Example:
         >>> model.set_infeed_queue_options(prefetch_depth=2)  # doctest: +SKIP
@@ -107,8 +124,11 @@ def set_infeed_queue_options(self: Any, prefetch_depth: int | None = None, **kwa
         )
     if kwargs:
         _log.warning("tf_ipu: set_infeed_queue_options(%s) has no effect here (only "
-                     "prefetch_depth does).", ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+                     "prefetch_depth and device_pull do).",
+                     ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
     setattr(self, _PREFETCH_ATTR, prefetch_depth)
+    if device_pull is not None:
+        setattr(self, _DEVICE_PULL_ATTR, bool(device_pull))
 
 
 def sync_weights(model: Any, where: str) -> None:
@@ -158,6 +178,10 @@ def _install_sync_points() -> None:
     at(Model, "save", lambda *a, **k: "model saved", lambda m: m)
 
 
+def _signature(batch: list[tf.Tensor]) -> tuple:
+    return tuple((t.dtype, tuple(t.shape)) for t in batch)
+
+
 def _is_tf_iterator(obj: Any) -> bool:
     return isinstance(obj, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
@@ -175,6 +199,8 @@ class IPUStepFunction:
         self.steps_per_execution = max(1, int(model.steps_per_execution))
         self._programs: dict[tuple, tuple[LoweredProgram, Any]] = {}
         self._pull_fn: Any = None
+        self._group_pull_fn: Any = None
+        self._carry: Any = None  # a batch of another shape, pulled ahead (device pull)
         self.device_calls = 0
         # The infeed's next pull, run on a worker thread while the device computes:
         # (iterator, future of its groups), or None.
@@ -186,6 +212,9 @@ class IPUStepFunction:
     def __call__(self, data: Any) -> Any:
         if self.kind == "predict":
             groups = self._group([self._strip(b) for b in data])
+        elif (_is_tf_iterator(data) and self.kind != "predict" and self.steps_per_execution > 1
+                and infeed_device_pull(self.model)):
+            return self._device_pull(data)
         elif _is_tf_iterator(data):
             groups = self._take(data)
             if groups and infeed_prefetch_depth(self.model) > 0:
@@ -303,8 +332,8 @@ class IPUStepFunction:
             start = end
         return groups
 
-    def _make_pull(self, iterator: Any) -> Any:
-        n = self.steps_per_execution
+    def _make_pull(self, iterator: Any, n: int | None = None) -> Any:
+        n = self.steps_per_execution if n is None else n
         spec = iterator.element_spec
         leaves = tf.nest.flatten(spec)
         keep = [i for i, s in enumerate(leaves) if isinstance(s, tf.TensorSpec)]
@@ -369,6 +398,184 @@ class IPUStepFunction:
             return count, sizes.stack(), [ta.concat() for ta in tas]
 
         return pull
+
+    # -- the device pulls: an infeed fed while the call runs ------------------------------
+    def _device_pull(self, iterator: Any) -> Any:
+        """``fit``/``evaluate`` steps whose device loop pulls each batch from an infeed while
+        it runs (``set_infeed_queue_options(device_pull=True)``): the host pushes the first
+        batches, starts the call, and goes on pulling and pushing batches while the device
+        computes. A batch of another shape (an epoch's last) ends this call's feed and starts
+        the next call (another program). Returns the logs of the last step; StopIteration
+        when the iterator had no batch left."""
+        n = self.steps_per_execution
+        if self._group_pull_fn is None:
+            # Small groups, so that the device starts early and the rest is pulled while it
+            # computes; not too small, each push costs an RPC.
+            self._group_pull_fn = self._make_pull(iterator, max(1, min(_PUSH_GROUP, n // 4)))
+        carried, self._carry = self._carry, None
+        pending = carried[1] if carried is not None and carried[0] is iterator else []
+        logs, done = None, 0
+        while done < n:
+            if not pending:
+                pending = self._pull_batches(iterator)
+                if not pending:
+                    break
+            steps, logs, pending = self._run_pulled(iterator, pending, n - done)
+            done += steps
+        if pending:
+            self._carry = (iterator, pending)
+        if logs is None:
+            raise StopIteration
+        return logs
+
+    def _pull_batches(self, iterator: Any) -> list[list[tf.Tensor]]:
+        """Up to ``_PUSH_GROUP`` batches from the iterator (one traced pull), each the list
+        of its data leaves."""
+        count, sizes, flat = self._group_pull_fn(iterator)
+        count = int(count)
+        sizes = sizes.numpy()
+        batches, start = [], 0
+        for k in range(count):
+            end = start + int(sizes[k])
+            batches.append([t[start:end] for t in flat])
+            start = end
+        return batches
+
+    def _run_pulled(self, iterator: Any, pending: list[list[tf.Tensor]],
+                    limit: int) -> tuple[int, Any, list[list[tf.Tensor]]]:
+        """One device call of up to ``limit`` steps on batches shaped as ``pending[0]``, fed
+        while it runs. Returns (steps run, their logs, batches pulled but not used)."""
+        from tf_ipu import runtime
+
+        rt = runtime.get_runtime()
+        rt.ensure_configured()
+        client = rt.client
+        sig = _signature(pending[0])
+        entry = self._programs.get(("pull", sig))
+        if entry is None:
+            entry = self._lower_pull(iterator.element_spec, pending[0])
+            self._programs[("pull", sig)] = entry
+        (_, runner), feed = entry[:2], entry[2]
+        leftover: list[list[tf.Tensor]] = []
+        sent = [0]
+
+        def push(batches: list[list[tf.Tensor]], reset: bool = False) -> bool:
+            """Pushes the batches of this call's shape (up to ``limit``); keeps the rest.
+            Returns whether the feed may go on."""
+            same = []
+            for b in batches:
+                if not leftover and sent[0] + len(same) < limit and _signature(b) == sig:
+                    same.append(b)
+                else:
+                    leftover.append(b)
+            if same or reset:
+                client.push_infeed(feed, [[t.numpy() for t in b] for b in same], reset=reset)
+            sent[0] += len(same)
+            return not leftover and sent[0] < limit
+
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def feeder() -> None:
+            try:
+                while not stop.is_set():
+                    busy = rt.call_in_flight()
+                    batches = self._pull_batches(iterator)
+                    if busy and batches:
+                        self.pulls_overlapped += 1  # pulled while the device computed
+                    if not batches or not push(batches):
+                        break
+            except BaseException as e:  # re-raised by the caller, after the call
+                failure.append(e)
+            finally:
+                try:
+                    client.push_infeed(feed, [], end=True)  # the loop stops at its next pull
+                except Exception as e:
+                    failure.append(e)
+
+        more = push(pending, reset=True)  # the first batches, before the call starts
+        thread = None
+        if more:
+            thread = threading.Thread(target=feeder, name="tf_ipu-infeed-push", daemon=True)
+            thread.start()
+        else:
+            client.push_infeed(feed, [], end=True)
+        try:
+            with interrupt.deferred_interrupt():  # Ctrl-C: KeyboardInterrupt once it stops
+                steps, logs = runner(tf.constant(limit, tf.int32))
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join()
+        self.device_calls += 1
+        if failure:
+            raise failure[0]
+        return int(steps), logs, leftover
+
+    def _lower_pull(self, spec: Any, example: list[tf.Tensor]) -> tuple[Any, Any, str]:
+        """The device program of ``_run_pulled``: a loop of up to ``n_steps`` steps, each
+        batch pulled from infeed ``feed`` (custom-call ``tf_ipu_infeed``, docs/ir.md) at the
+        end of the step before (the first before the loop); the loop ends early when the
+        host ends the feed. Outputs (steps run, the last step's logs)."""
+        from tf_ipu import runtime
+
+        model = self.model
+        strategy = model.distribute_strategy
+        kind = self.kind
+        step_fn = {"train": model.train_step, "test": model.test_step}[kind]
+        leaves = tf.nest.flatten(spec)
+        present = [i for i, sp in enumerate(leaves) if isinstance(sp, tf.TensorSpec)]
+        leaf_specs = [tf.TensorSpec(t.shape, t.dtype) for t in example]
+        feed = f"{getattr(model, 'name', 'model')}/{kind}"
+
+        def one_step(values: list[Any]) -> Any:
+            flat: list[Any] = [None] * len(leaves)
+            for j, idx in enumerate(present):
+                flat[idx] = values[j]
+            batch = tf.nest.pack_sequence_as(spec, flat)
+            return strategy.extended.call_for_each_replica(step_fn, args=(batch,))
+
+        def pull(i: Any) -> tuple[Any, list[Any]]:
+            got = xla.custom_call_v2(
+                INFEED_TARGET, [i], [tf.TensorSpec([], tf.bool), *leaf_specs],
+                backend_config=feed, has_side_effect=True,
+            )
+            return got[0], list(got[1:])
+
+        with strategy.lowering():
+            out_spec = tf.function(lambda *v: one_step(list(v))).get_concrete_function(
+                *leaf_specs).structured_outputs
+        flat_spec = tf.nest.flatten(out_spec)
+        n_in = len(leaf_specs)
+
+        def device_loop(n_steps: tf.Tensor) -> Any:
+            with strategy.lowering():
+                ok, first = pull(tf.constant(0))
+
+                def cond(i: Any, ok: Any, *state: Any) -> Any:
+                    return tf.logical_and(tf.less(i, n_steps), ok)
+
+                def body(i: Any, ok: Any, *state: Any) -> Any:
+                    outs = tf.nest.flatten(one_step(list(state[:n_in])))
+                    ok_next, nxt = pull(i + 1)
+                    logs = [tf.cast(o, t.dtype) for o, t in zip(outs, flat_spec, strict=True)]
+                    return (i + 1, ok_next, *nxt, *logs)
+
+                initial = [tf.zeros(t.shape, t.dtype) for t in flat_spec]
+                steps, _, *rest = tf.while_loop(
+                    cond, body, (tf.constant(0), ok, *first, *initial), name=DEVICE_LOOP_NAME,
+                )
+                return steps, tf.nest.pack_sequence_as(out_spec, rest[n_in:])
+
+        name = f"{getattr(model, 'name', 'model')}/{kind}_function[steps={self.steps_per_execution}, infeed]"
+        lowered = lower_function(device_loop, [tf.TensorSpec([], tf.int32)], name)
+        runtime.get_runtime().compile(lowered.program, lowered.signature)
+
+        @tf.function(autograph=False)
+        def runner(n_steps: tf.Tensor) -> Any:
+            return call_lowered(lowered, [n_steps])
+
+        return lowered, runner, feed
 
     def _run_group(self, structure: Any, stacked: list[tf.Tensor], k: int) -> Any:
         """One device call over ``k`` stacked batches (padded to N)."""

@@ -4,7 +4,8 @@ server, and each tensor of a reply back (``device_server/data_path.py`` is the o
     DeviceClient request ─┬─ small tensor ─────────────> inline bytes in the gRPC message
                           ├─ co-located, >= SHM_MIN ───> copied into a region of this
                           │                              client's shared-memory segment
-                          └─ past the message budget ──> PutBlob stream, in chunks
+                          └─ > 4 MiB, or past the ─────> PutBlob stream, in chunks
+                             message budget
     reply tensor <─ inline bytes | the region this client named for it | GetBlob stream
 
 Which path is used is settled once per session (``DataPath.setup``): ``"auto"`` tries shared
@@ -45,6 +46,9 @@ SHM_MIN_BYTES = 32 << 10
 INITIAL_SEGMENT_BYTES = 16 << 20
 #: Bytes of one chunk of a streamed blob (at most a quarter of the message limit).
 CHUNK_BYTES = 4 << 20
+#: A tensor larger than this goes as a blob even if it would fit in the message: chunks move
+#: faster than one big message (which also holds up the heartbeats queued behind it).
+INLINE_MAX_BYTES = 4 << 20
 
 
 class DataPath:
@@ -311,7 +315,7 @@ class Call:
                                                      nbytes=nbytes))
             self.path._count("shm_bytes_out", nbytes)
             return
-        if nbytes <= self.budget:
+        if nbytes <= self.budget and (nbytes <= INLINE_MAX_BYTES or inline_only):
             self.budget -= nbytes
             dtypes.fill_tensor(tensor, a)
             self.path._count("inline_bytes_out", nbytes)

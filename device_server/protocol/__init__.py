@@ -7,3 +7,6 @@ time (``make protos``, or ``pip install .``); they are never edited by hand.
 #: The TF op name of the loop a host wrote to run N steps in one device call (the while's
 #: ``source_op`` in the IR): a stopped run ends it at a step boundary (emulator/cancel.py).
 DEVICE_LOOP_NAME = "tf_ipu_device_loop"
+#: The custom-call target by which a running program pulls the next batch of an infeed
+#: (emulator/kernels/infeed.py, docs/ir.md).
+INFEED_TARGET = "tf_ipu_infeed"

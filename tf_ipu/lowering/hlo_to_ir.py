@@ -69,6 +69,7 @@ _CUSTOM_CALL_FIELDS = frozenset(
     {
         "custom_call_has_side_effect", "operand_shapes_with_layout", "output_operand_aliasing",
         "custom_call_schedule", "custom_call_api_version",
+        "constrain_layout",  # layouts are the default, row-major, on the device anyway
     }
 )
 

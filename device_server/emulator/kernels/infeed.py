@@ -24,9 +24,8 @@ from device_server.emulator import cancel
 from device_server.emulator.errors import ExecutionError
 from device_server.emulator.kernels import KernelContext, KernelFn, register_custom_call
 from device_server.emulator.kernels.window import invalid
+from device_server.protocol import INFEED_TARGET as TARGET
 from device_server.protocol import dtypes
-
-TARGET = "tf_ipu_infeed"
 
 
 @register_custom_call(TARGET)
