@@ -339,17 +339,24 @@ class DeviceClient:
         """Stops this client's device calls in progress (from any thread): the server stops
         each at its next step, keeps the variables of the last completed one, and the call
         raises ``CancelledError``. Returns how many runs the server stopped."""
-        with self._lock_running:
-            running = self._running
-        if not running or self._session is None:
-            return 0
-        try:
-            reply = self._stub.CancelRun(device_pb2.SessionRef(session_id=self._session.session_id),
-                                         timeout=self.timeout, metadata=self._metadata)
-        except (grpc.RpcError, ValueError) as e:  # the server (or the channel) is gone
-            logger.debug("CancelRun on %s failed: %s", self.address, e)
-            return 0
-        return int(reply.runs_stopped)
+        # The call may not have reached its run yet (uploads, or queued behind another call
+        # of the session): ask again for a little while until a run is stopped.
+        end = time.monotonic() + 2.0
+        while True:
+            with self._lock_running:
+                running = self._running
+            session = self._session
+            if not running or session is None:
+                return 0
+            try:
+                reply = self._stub.CancelRun(device_pb2.SessionRef(session_id=session.session_id),
+                                             timeout=self.timeout, metadata=self._metadata)
+            except (grpc.RpcError, ValueError) as e:  # the server (or the channel) is gone
+                logger.debug("CancelRun on %s failed: %s", self.address, e)
+                return 0
+            if reply.runs_stopped or time.monotonic() > end:
+                return int(reply.runs_stopped)
+            time.sleep(0.05)
 
     def _probe(self) -> None:
         """One health check without waiting for a connection: fails fast on a refused
