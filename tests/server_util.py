@@ -63,6 +63,11 @@ class Builder:
         self._params += 1
         return iid
 
+    def unpack(self, state: ir_pb2.Shape) -> list[int]:
+        """A tuple parameter of shape ``state``, and one get-tuple-element per element."""
+        p = self.parameter(state)
+        return [self.op("get-tuple-element", [p], e, index=k) for k, e in enumerate(state.tuple_shapes)]
+
     def constant(self, value: np.ndarray) -> int:
         return self._add("constant", [], array_shape(value.dtype, value.shape), value=value)
 
@@ -123,6 +128,15 @@ def sgd_reference(x: np.ndarray, y: np.ndarray, w: np.ndarray, lr: float = 0.05)
     return err.T @ err, w - (x.T @ err) * np.float32(lr / x.shape[0])
 
 
+def _count_condition(m: ir_pb2.Module, state: ir_pb2.Shape, comp_id: int = 1) -> Builder:
+    """Computation ``comp_id``: a loop condition ``state[0] < state[2]`` (s32 counters)."""
+    pred = array_shape(np.bool_, [])
+    cond = Builder(m, comp_id, "cond")
+    i, _, n, *_ = cond.unpack(state)
+    cond.root(cond.op("compare", [i, n], pred, direction="LT", compare_type="SIGNED"))
+    return cond
+
+
 def loop_module(dim: int = 32, name: str = "loop") -> ir_pb2.Module:
     """A program whose run time the caller picks: ``n`` times ``x = tanh(x @ W)``.
 
@@ -131,19 +145,11 @@ def loop_module(dim: int = 32, name: str = "loop") -> ir_pb2.Module:
     m = ir_pb2.Module(name=name, entry_computation_id=0, frontend="test")
     s32, mat = array_shape(np.int32, []), array_shape(np.float32, [dim, dim])
     state = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, mat, s32])
-    pred = array_shape(np.bool_, [])
 
-    cond = Builder(m, 1, "cond")
-    p = cond.parameter(state)
-    i = cond.op("get-tuple-element", [p], s32, index=0)
-    n = cond.op("get-tuple-element", [p], s32, index=2)
-    cond.root(cond.op("compare", [i, n], pred, direction="LT", compare_type="SIGNED"))
+    _count_condition(m, state)
 
     body = Builder(m, 2, "body")
-    p = body.parameter(state)
-    i = body.op("get-tuple-element", [p], s32, index=0)
-    x = body.op("get-tuple-element", [p], mat, index=1)
-    n = body.op("get-tuple-element", [p], s32, index=2)
+    i, x, n = body.unpack(state)
     one = body.constant(np.array(1, np.int32))
     weights = np.eye(dim, dtype=np.float32) * 0.9 + 0.01
     xw = body.dot(x, body.constant(weights), 1, 0, [dim, dim])
@@ -160,6 +166,20 @@ def loop_module(dim: int = 32, name: str = "loop") -> ir_pb2.Module:
     return m
 
 
+def _steps_and_weights(m: ir_pb2.Module, main: Builder, loop: int,
+                       device_loop: bool = True) -> ir_pb2.Module:
+    """Finishes a module whose loop state starts (steps: s32, w): outputs (steps, new w) with
+    w aliased to parameter 0; ``device_loop`` names the loop as tf_ipu's step loop."""
+    if device_loop:
+        main.comp.instructions[loop].source_op = "tf_ipu_device_loop"
+    shapes = main.shape(loop).tuple_shapes
+    main.root(main.tuple([main.op("get-tuple-element", [loop], shapes[0], index=0),
+                          main.op("get-tuple-element", [loop], shapes[1], index=1)]))
+    m.aliases.add(output_index=1, parameter_number=0)
+    m.computations.sort(key=lambda c: c.id)  # the entry first, as the converter writes it
+    return m
+
+
 def steps_module(dim: int = 64, device_loop: bool = True, name: str = "steps") -> ir_pb2.Module:
     """A device loop in miniature: up to ``n`` steps of ``w = w + 1``, each step spinning an
     inner loop 5 times, or forever from step ``stall`` on (a ``while`` that never ends).
@@ -173,35 +193,21 @@ def steps_module(dim: int = 64, device_loop: bool = True, name: str = "steps") -
     state = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, vec, s32, s32])  # i, w, n, stall
     inner = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, s32, s32])      # j, i, stall
 
-    cond = Builder(m, 1, "cond")
-    p = cond.parameter(state)
-    i = cond.op("get-tuple-element", [p], s32, index=0)
-    n = cond.op("get-tuple-element", [p], s32, index=2)
-    cond.root(cond.op("compare", [i, n], pred, direction="LT", compare_type="SIGNED"))
+    _count_condition(m, state)
 
     icond = Builder(m, 3, "inner_cond")
-    p = icond.parameter(inner)
-    j = icond.op("get-tuple-element", [p], s32, index=0)
-    i = icond.op("get-tuple-element", [p], s32, index=1)
-    stall = icond.op("get-tuple-element", [p], s32, index=2)
+    j, i, stall = icond.unpack(inner)
     short = icond.op("compare", [j, icond.constant(np.array(5, np.int32))], pred,
                      direction="LT", compare_type="SIGNED")
     stuck = icond.op("compare", [i, stall], pred, direction="GE", compare_type="SIGNED")
     icond.root(icond.op("or", [short, stuck]))
 
     ibody = Builder(m, 4, "inner_body")
-    p = ibody.parameter(inner)
-    j = ibody.op("get-tuple-element", [p], s32, index=0)
-    i = ibody.op("get-tuple-element", [p], s32, index=1)
-    stall = ibody.op("get-tuple-element", [p], s32, index=2)
+    j, i, stall = ibody.unpack(inner)
     ibody.root(ibody.tuple([ibody.op("add", [j, ibody.constant(np.array(1, np.int32))]), i, stall]))
 
     body = Builder(m, 2, "body")
-    p = body.parameter(state)
-    i = body.op("get-tuple-element", [p], s32, index=0)
-    w = body.op("get-tuple-element", [p], vec, index=1)
-    n = body.op("get-tuple-element", [p], s32, index=2)
-    stall = body.op("get-tuple-element", [p], s32, index=3)
+    i, w, n, stall = body.unpack(state)
     spin = body.op("while", [body.tuple([body.constant(np.array(0, np.int32)), i, stall])],
                    inner, called=[3, 4])
     j = body.op("get-tuple-element", [spin], s32, index=0)
@@ -218,13 +224,7 @@ def steps_module(dim: int = 64, device_loop: bool = True, name: str = "steps") -
     stall = main.parameter(s32)
     loop = main.op("while", [main.tuple([main.constant(np.array(0, np.int32)), w, n, stall])],
                    state, called=[1, 2])
-    if device_loop:
-        main.comp.instructions[loop].source_op = "tf_ipu_device_loop"
-    main.root(main.tuple([main.op("get-tuple-element", [loop], s32, index=0),
-                          main.op("get-tuple-element", [loop], vec, index=1)]))
-    m.aliases.add(output_index=1, parameter_number=0)
-    m.computations.sort(key=lambda c: c.id)
-    return m
+    return _steps_and_weights(m, main, loop, device_loop)
 
 
 def infeed_module(feed: str = "batches", dim: int = 8, name: str = "infeed") -> ir_pb2.Module:
@@ -248,10 +248,7 @@ def infeed_module(feed: str = "batches", dim: int = 8, name: str = "infeed") -> 
                 b.op("get-tuple-element", [got], batch, index=1))
 
     cond = Builder(m, 1, "cond")
-    p = cond.parameter(state)
-    i = cond.op("get-tuple-element", [p], s32, index=0)
-    n = cond.op("get-tuple-element", [p], s32, index=2)
-    ok = cond.op("get-tuple-element", [p], pred, index=3)
+    i, _, n, ok, _ = cond.unpack(state)
     more = cond.op("compare", [i, n], pred, direction="LT", compare_type="SIGNED")
     cond.root(cond.op("and", [more, ok]))
 
@@ -260,11 +257,7 @@ def infeed_module(feed: str = "batches", dim: int = 8, name: str = "infeed") -> 
                             add.parameter(array_shape(np.float32, []))]))
 
     body = Builder(m, 2, "body")
-    p = body.parameter(state)
-    i = body.op("get-tuple-element", [p], s32, index=0)
-    w = body.op("get-tuple-element", [p], vec, index=1)
-    n = body.op("get-tuple-element", [p], s32, index=2)
-    x = body.op("get-tuple-element", [p], batch, index=4)
+    i, w, n, _, x = body.unpack(state)
     rows = body.op("reduce", [x, body.constant(np.array(0, np.float32))], vec, called=[3],
                    dimensions=[0])
     nxt = body.op("add", [i, body.constant(np.array(1, np.int32))])
@@ -277,12 +270,7 @@ def infeed_module(feed: str = "batches", dim: int = 8, name: str = "infeed") -> 
     zero = main.constant(np.array(0, np.int32))
     ok, x = pull(main, zero)
     loop = main.op("while", [main.tuple([zero, w, n, ok, x])], state, called=[1, 2])
-    main.comp.instructions[loop].source_op = "tf_ipu_device_loop"
-    main.root(main.tuple([main.op("get-tuple-element", [loop], s32, index=0),
-                          main.op("get-tuple-element", [loop], vec, index=1)]))
-    m.aliases.add(output_index=1, parameter_number=0)
-    m.computations.sort(key=lambda c: c.id)
-    return m
+    return _steps_and_weights(m, main, loop)
 
 
 # -- standalone server processes -----------------------------------------------------------
