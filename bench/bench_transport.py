@@ -3,7 +3,8 @@
     bandwidth  a TF tensor into IpuExecute -> the emulator's array (h2d), and back (d2h):
                256 MiB through shared memory and through gRPC messages, beside a plain
                memcpy of the same size; and 768 MiB of variables through chunked streams
-               (past the message budget)                     target: shm >= 1 GB/s
+               (past the message budget), with the peak RSS each side gained
+                                                             target: shm >= 1 GB/s
     latency    one device call with a 1 KiB input (``x + 1`` under ``strategy.run``): the
                runtime's callback from entry to return (what the IpuExecute kernel waits
                for), p50 and p99, beside a bare gRPC unary echo of the same 1 KiB to a
@@ -103,22 +104,41 @@ def _bandwidth(path: str, nbytes: int, reps: int, strategy: Any, cfg: Any) -> di
     return {"path": path, "bytes": nbytes, "h2d_s": up, "d2h_s": down, "described": described}
 
 
-def _streamed_variables(address: str, nbytes: int) -> dict[str, float]:
-    """Chunked streams through the client API: variables past the message budget."""
+def _peak_rss(pid: int | str = "self") -> int:
+    """The process's peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _streamed_variables(address: str, nbytes: int, server_pid: int | None) -> dict[str, float]:
+    """Chunked streams through the client API: variables past the message budget. Also the
+    peak RSS each side gained during the transfers, over its peak before them (the payload
+    already held on the client: the value it sends, then the one it receives)."""
     from tf_ipu.client import DeviceClient
 
     c = DeviceClient(address, data_path="stream")
     c.open_session()
     value = np.ones(nbytes, np.uint8)
+    client0 = _peak_rss()
+    server0 = _peak_rss(server_pid) if server_pid else 0
     start = time.perf_counter()
     c.write_variables({"bulk": value})
     up = time.perf_counter() - start
+    client_up = _peak_rss() - client0
+    del value
     start = time.perf_counter()
     back = c.read_variables(["bulk"])["bulk"]
     down = time.perf_counter() - start
     assert back.nbytes == nbytes and back[-1] == 1
+    server = (_peak_rss(server_pid) - server0) if server_pid else -1
+    client_total = _peak_rss() - client0
+    chunk = c.data.chunk_bytes()
     c.close()
-    return {"h2d_s": up, "d2h_s": down}
+    return {"h2d_s": up, "d2h_s": down, "client_rss_up": client_up,
+            "client_rss_round_trip": client_total, "server_rss": server, "chunk": chunk}
 
 
 def _quantiles(samples: list[float]) -> tuple[float, float]:
@@ -174,7 +194,6 @@ def _latency(strategy: Any, cfg: Any, calls: int) -> dict[str, float]:
 
 def main(quick: bool = False) -> list[dict[str, Any]]:
     import tf_ipu
-    from tf_ipu import runtime
 
     nbytes = (64 if quick else 256) * MIB
     reps = 2 if quick else 3
@@ -190,12 +209,18 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
         rows.append(r)
         print(f"  {path:<7} h2d {_gbps(nbytes, r['h2d_s']):6.2f}  d2h {_gbps(nbytes, r['d2h_s']):6.2f}"
               f"   ({r['described']})")
-    address = runtime.get_runtime().client.address
+    from tf_ipu.local_server import start_local_server
+
     big = (256 if quick else 768) * MIB
-    s = _streamed_variables(address, big)
+    with start_local_server(num_ipus=1) as fresh:  # its own peak RSS starts low
+        s = _streamed_variables(fresh.address, big, fresh.pid)
     rows.append({"path": "chunked", "bytes": big, **s})
     print(f"  chunked h2d {_gbps(big, s['h2d_s']):6.2f}  d2h {_gbps(big, s['d2h_s']):6.2f}"
           f"   (variables of {big // MIB} MiB, PutBlob/GetBlob streams)")
+    print(f"  chunked peak RSS over the peak before: server +{s['server_rss'] / MIB:.0f} MiB "
+          f"(payload {big // MIB} MiB, chunks of {s['chunk'] // MIB} MiB); client +"
+          f"{s['client_rss_up'] / MIB:.0f} MiB sending (the payload was held already), +"
+          f"{s['client_rss_round_trip'] / MIB:.0f} MiB after receiving it back")
     lat = _latency(strategy, cfg, 200 if quick else 1000)
     rows.append({"path": "latency", **lat})
     print(f"latency, 1 KiB, ms: kernel p50 {lat['kernel_p50'] * 1e3:.3f} p99 "
