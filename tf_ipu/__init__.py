@@ -6,7 +6,9 @@
         ==gRPC==>    device_server: sessions, IPUs, executables, the IPU emulator
 
 Importing tf_ipu loads the op library and registers the process's device runtime as the
-handler of IpuExecute kernels, so graphs and SavedModels holding device calls run here.
+handler of IpuExecute kernels, so graphs and SavedModels holding device calls run here. It
+also maps Graphcore's import paths (``from tensorflow.python import ipu``) onto this project
+(``tf_ipu.graphcore``), so ported code keeps its import lines.
 """
 
 from tf_ipu import errors
@@ -30,5 +32,9 @@ def sync_to_host() -> int:
 
 
 get_runtime().ensure_handler()
+
+from tf_ipu import graphcore as _graphcore  # noqa: E402  (after the runtime: it imports TF)
+
+_graphcore.install()  # `from tensorflow.python import ipu` now finds this project
 
 __all__ = ["IPUConfig", "IPUStrategy", "errors", "get_runtime", "sync_to_host", "__version__"]

@@ -98,6 +98,10 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         finally:
             _state.depth -= 1
 
+    # Not converted by autograph when called inside a user's tf.function: its compile step
+    # talks to the device server (autograph would otherwise walk into the gRPC client and warn
+    # about every compiled function it meets). The user's fn is lowered, and converted, apart.
+    @tf.autograph.experimental.do_not_convert
     def run(
         self,
         fn: Callable[..., Any],

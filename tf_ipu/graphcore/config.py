@@ -1,0 +1,21 @@
+"""``tensorflow.python.ipu.config``: the IPU system's configuration, as Graphcore names it.
+
+    cfg = ipu.config.IPUConfig(); cfg.auto_select_ipus = 1; cfg.configure_ipu_system()
+
+``IPUConfig`` is ``tf_ipu.IPUConfig`` itself (the same class: options set through either name
+are the same options). ``configure_ipu_system(cfg)`` is the older function spelling of
+``cfg.configure_ipu_system()``.
+"""
+
+from __future__ import annotations
+
+from tf_ipu.config import IPUConfig
+
+
+def configure_ipu_system(config: IPUConfig, device: str = "cpu", reset_configuration: bool = True) -> None:
+    """Configures the IPU system as ``config`` says (``device`` and ``reset_configuration``
+    are Graphcore's arguments; here the system is always configured afresh)."""
+    config.configure_ipu_system()
+
+
+__all__ = ["IPUConfig", "configure_ipu_system"]
