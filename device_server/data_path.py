@@ -105,6 +105,11 @@ class Infeed:
                 self._items.append(None)
             self._cond.notify_all()
 
+    def queued(self) -> int:
+        """Batches waiting for the device."""
+        with self._cond:
+            return sum(1 for item in self._items if item is not None)
+
     def pull(self, token: Any, where: str) -> list[np.ndarray] | None:
         """The next batch (None at an end marker), waiting for the host; gives up when the
         run is asked to stop (``token.in_loop``, emulator/cancel.py)."""
@@ -125,6 +130,8 @@ class SessionData:
 
     def __init__(self) -> None:
         self.infeeds: dict[str, Infeed] = {}
+        # Values the running program handed to outfeeds, by feed: one list per enqueue.
+        self.outfeeds: dict[str, list[list[np.ndarray]]] = {}
         self.blobs_in: dict[str, Blob] = {}
         self.blobs_out: dict[str, np.ndarray] = {}
         self.segments: dict[int, shm.Segment] = {}
@@ -139,6 +146,10 @@ class SessionData:
             if feed is None:
                 feed = self.infeeds[name] = Infeed(name)
             return feed
+
+    def enqueue_outfeed(self, feed: str, values: list[np.ndarray]) -> None:
+        """Called by the running program (the run holds the session)."""
+        self.outfeeds.setdefault(feed, []).append(values)
 
     def infeed_bytes(self) -> int:
         with self._lock:
@@ -209,6 +220,7 @@ class SessionData:
         self.blobs_in.clear()
         self.blobs_out.clear()
         self.infeeds.clear()
+        self.outfeeds.clear()
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()

@@ -981,6 +981,8 @@ class DeviceService:
             donated = [exe.aliases[o] for o, key in updates.items() if bound[key] == 1]
             token = self._stop_token(request.run_deadline_seconds)
             token.infeed = lambda feed, tok, where: s.data.infeed(feed).pull(tok, where)
+            token.outfeed = s.data.enqueue_outfeed
+            s.data.outfeeds.clear()  # what a stopped call enqueued is not kept
             start = time.perf_counter()
             try:
                 with s.run(token):
@@ -1037,9 +1039,16 @@ class DeviceService:
                                       regions[i] if i in regions else None, self.transfers)
                 else:
                     dtypes.fill_tensor(reply.outputs.add(), out, with_data=False)
+            for feed, items in s.data.outfeeds.items():
+                data = reply.outfeeds.add(feed=feed, count=len(items))
+                for k in range(len(items[0]) if items else 0):
+                    stacked = np.stack([item[k] for item in items])
+                    fill_reply_tensor(s.data, data.values.add(), stacked, budget, None,
+                                      self.transfers)
+            s.data.outfeeds.clear()
             return reply
 
-    def push_infeed(self, request: device_pb2.PushInfeedRequest) -> device_pb2.Empty:
+    def push_infeed(self, request: device_pb2.PushInfeedRequest) -> device_pb2.PushInfeedReply:
         """Appends batches to one of the session's infeeds (without entering the session: a
         run of it may be pulling from that infeed right now)."""
         s = self.sessions.get(request.session_id)
@@ -1066,10 +1075,11 @@ class DeviceService:
                 _EXHAUSTED, f"PushInfeed {request.feed!r}: {queued + incoming} bytes of batches "
                 f"would wait in session {s.session_id}'s infeeds, over the server's limit of "
                 f"{limit} bytes per session (--max-session-bytes).", kind="session-memory")
-        s.data.infeed(request.feed).push(batches, request.end, request.reset)
+        feed = s.data.infeed(request.feed)
+        feed.push(batches, request.end, request.reset)
         self.counters.add("infeed_batches", len(batches))
         s.touch()
-        return device_pb2.Empty()
+        return device_pb2.PushInfeedReply(queued=feed.queued())
 
     def cancel_run(self, request: device_pb2.SessionRef) -> device_pb2.CancelRunReply:
         """Stops the session's runs in progress at their next step (no need to enter the

@@ -114,3 +114,75 @@ def test_reset_ipu_seed_makes_two_runs_with_dropout_bit_identical(ipu_system):
     first, second = run(), run()
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_custom_loop_with_infeed_and_outfeed_queues_matches_cpu(ipu_system):
+    """Graphcore's infeed/outfeed tutorial pattern: strategy.run(loop, args=[iterator, steps,
+    outfeed, model, optimizer]) where the loop calls next(iterator) under tf.range(steps):
+    one device call per run, its batches streamed from the host during the call; the losses
+    come back through the outfeed (ALL, and LAST)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python import ipu
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 16)).astype("float32")
+    y = rng.integers(0, 4, 256).astype("int32")
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True).repeat()
+
+    def make():
+        keras.utils.set_random_seed(2)
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                 keras.layers.Dense(4)])
+
+    @tf.function
+    def step(features, labels, model, optimizer):
+        with tf.GradientTape() as tape:
+            logits = model(features, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                labels, logits, from_logits=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    @tf.function
+    def training_loop(iterator, steps, outfeed, model, optimizer):
+        for _ in tf.range(steps):
+            features, labels = next(iterator)
+            outfeed.enqueue(step(features, labels, model, optimizer))
+
+    reference = make()
+    ref_opt = keras.optimizers.SGD(0.05)
+    ref_opt.build(reference.trainable_variables)
+    batches = iter(dataset())
+    expected = [float(step(*next(batches), reference, ref_opt)) for _ in range(24)]
+
+    outfeed = ipu.ipu_outfeed_queue.IPUOutfeedQueue()
+    last = ipu.ipu_outfeed_queue.IPUOutfeedQueue(ipu.ipu_outfeed_queue.IPUOutfeedMode.LAST)
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        model = make()
+        optimizer = keras.optimizers.SGD(0.05)
+        optimizer.build(model.trainable_variables)
+    infeed = ipu.ipu_infeed_queue.IPUInfeedQueue(dataset())
+    calls = tf_ipu_calls()
+    for _ in range(2):  # calls go on where the last one stopped
+        strategy.run(training_loop, args=[infeed, 8, outfeed, model, optimizer])
+    strategy.run(training_loop, args=[infeed, 8, last, model, optimizer])
+    assert tf_ipu_calls() - calls == 3  # one device call per run
+    losses = outfeed.dequeue().numpy()
+    assert losses.shape == (16,)
+    np.testing.assert_allclose(losses, expected[:16], rtol=1e-4)
+    np.testing.assert_allclose(float(last.dequeue()), expected[23], rtol=1e-4)
+    assert outfeed.dequeue().numpy().shape == (0,)  # dequeue empties the queue
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
+
+
+def tf_ipu_calls() -> int:
+    import tf_ipu
+
+    return tf_ipu.get_runtime().device_calls

@@ -206,6 +206,8 @@ class DeviceClient:
         self.timeout = float(timeout)
         self.run_timeout = float(run_timeout)
         self.last_device_seconds = 0.0  # the server's time for the last Execute
+        # What the last Execute's program handed to outfeeds: feed -> (count, stacked values)
+        self.last_outfeeds: dict[str, tuple[int, list[np.ndarray]]] = {}
         self.client_name = client_name or f"tf_ipu pid {os.getpid()}"
         token = os.environ.get(TOKEN_ENV, "") if token is None else token
         self._metadata = (("authorization", f"Bearer {token.strip()}"),) if token else None
@@ -773,6 +775,10 @@ class DeviceClient:
             reply = self._call_stoppable(
                 "Execute", request, self.run_timeout if timeout is None else timeout)
             self.last_device_seconds = reply.device_seconds
+            self.last_outfeeds = {
+                o.feed: (int(o.count), [call.decode(t, f"outfeed {o.feed!r}") for t in o.values])
+                for o in reply.outfeeds
+            }
             outputs: list[np.ndarray | None] = []
             for i, t in enumerate(reply.outputs):
                 if t.WhichOneof("payload") is None and _count(t.dims):
@@ -782,12 +788,12 @@ class DeviceClient:
             return outputs
 
     def push_infeed(self, feed: str, batches: Sequence[Sequence[np.ndarray]],
-                    end: bool = False, reset: bool = False) -> None:
+                    end: bool = False, reset: bool = False) -> int:
         """Appends ``batches`` (each a list of arrays, in the order the program's
         ``tf_ipu_infeed`` custom-call declares them) to the session's infeed ``feed``; ``end``
         ends the feed after them; ``reset`` first drops what the feed holds. Runs alongside an
         ``execute`` of the same session, from another thread: the device pulls the batches as
-        its loop reaches them."""
+        its loop reaches them. Returns how many batches now wait in the feed."""
         request = device_pb2.PushInfeedRequest(session_id=self.session_id, feed=feed, end=end,
                                                reset=reset)
         with self.data.call() as call:
@@ -796,7 +802,7 @@ class DeviceClient:
                 for k, value in enumerate(batch):
                     call.encode(out.values.add(), value, f"infeed {feed!r} batch {b} value {k}",
                                 inline_only=True)
-            self._call("PushInfeed", request)
+            return int(self._call("PushInfeed", request).queued)
 
     def counters(self) -> dict[str, int]:
         """The server's counters (``sessions_opened``, ``compiles``, ``cache_hits``,

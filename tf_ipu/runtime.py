@@ -512,6 +512,10 @@ class DeviceRuntime:
             st = states.get(param_index)
             if st is not None:
                 res.device_updated(st, results[out_index] if st.watched else None)
+        if self.client.last_outfeeds:
+            from tf_ipu import feeds
+
+            feeds.deliver(self.client.last_outfeeds)
         return results
 
     # -- variables: host copies on demand ----------------------------------------------------

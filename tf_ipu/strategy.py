@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended
 
@@ -29,6 +30,17 @@ _state = threading.local()
 
 def _lowering_depth() -> int:
     return getattr(_state, "depth", 0)
+
+
+def _as_tensor(value: Any) -> tf.Tensor | None:
+    """``value`` as a tensor argument of a device program, or None if it is an object the
+    program uses as it is (a model, an optimizer, a queue)."""
+    if tf.is_tensor(value) or isinstance(value, (int, float, bool, np.ndarray, np.generic)):
+        return tf.convert_to_tensor(value)
+    try:
+        return tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        return None
 
 
 class _IPUExtended(OneDeviceExtended):
@@ -120,28 +132,69 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         if _lowering_depth() > 0:
             return self.extended.call_for_each_replica(fn, args=args, kwargs=kwargs)
         self._ensure_configured()
-        flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten((args, kwargs))]
-        specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in flat)
+        from tf_ipu import feeds
+
+        name = getattr(fn, "__name__", None) or type(fn).__name__
         structure = (args, kwargs)
+        leaves = tf.nest.flatten(structure)
+        # Tensors become the program's arguments; iterators become infeeds; other objects
+        # (a model, an optimizer, an outfeed queue) are used as they are while lowering.
+        flat: list[tf.Tensor] = []
+        static: dict[int, Any] = {}
+        infeeds: dict[str, Any] = {}
+        for k, leaf in enumerate(leaves):
+            if feeds.is_host_iterator(leaf):
+                iterator = feeds.host_iterator(leaf)
+                feed = f"run:{name}:arg{k}"
+                static[k] = feeds.DeviceIterator(feed, iterator.element_spec)
+                infeeds[feed] = iterator
+                continue
+            tensor = _as_tensor(leaf)
+            if tensor is None:
+                static[k] = leaf
+            else:
+                flat.append(tensor)
+        if infeeds and tf.inside_function():
+            raise ValueError(
+                f"strategy.run({name}) takes an iterator: call it eagerly (not inside a "
+                f"tf.function), so that the host can feed the device while it runs."
+            )
+        specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in flat)
+        key = (specs, tuple(sorted(
+            (k, ("infeed", v.feed, repr(v.element_spec)) if isinstance(v, feeds.DeviceIterator)
+             else ("object", id(v))) for k, v in static.items())))
         try:
             per_fn = self._run_cache.setdefault(fn, {})
         except TypeError:  # not weak-referenceable: no cache
             per_fn = {}
-        lowered: LoweredProgram | None = per_fn.get(specs)
+        lowered: LoweredProgram | None = per_fn.get(key)
         if lowered is None:
 
             def flat_fn(*tensors: tf.Tensor) -> Any:
-                a, kw = tf.nest.pack_sequence_as(structure, list(tensors))
+                given = iter(tensors)
+                values = [static[k] if k in static else next(given) for k in range(len(leaves))]
+                a, kw = tf.nest.pack_sequence_as(structure, values)
                 with self.lowering():
                     return self.extended.call_for_each_replica(fn, args=a, kwargs=kw)
 
-            name = getattr(fn, "__name__", None) or type(fn).__name__
             lowered = lower_function(flat_fn, list(specs), f"run:{name}")
             from tf_ipu import runtime
 
             runtime.get_runtime().compile(lowered.program, lowered.signature)
-            per_fn[specs] = lowered
-        return call_lowered(lowered, flat)
+            per_fn[key] = lowered
+        if not infeeds:
+            return call_lowered(lowered, flat)
+        from tf_ipu import runtime
+
+        client = runtime.get_runtime().client
+        with contextlib.ExitStack() as stack:
+            feeders = [stack.enter_context(feeds.Feeder(client, feed, it))
+                       for feed, it in infeeds.items()]
+            result = call_lowered(lowered, flat)
+        for feeder in feeders:
+            if feeder.failure is not None:
+                raise feeder.failure
+        return result
 
     def _ensure_configured(self) -> None:
         from tf_ipu import runtime

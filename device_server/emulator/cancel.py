@@ -63,6 +63,8 @@ class StopToken:
         #: Where the run's infeed custom-calls get batches (kernels/infeed.py):
         #: ``infeed(feed, token, where) -> list[np.ndarray] | None`` (None: the feed ended).
         self.infeed = infeed
+        #: Where the run's outfeed custom-calls put values: ``outfeed(feed, arrays)``.
+        self.outfeed: Any = None
         self._reason: str | None = None
         self._asked_at = 0.0
         self._lock = threading.Lock()

@@ -57,7 +57,7 @@ from device_server.emulator.errors import (
     describe,
 )
 from device_server.emulator.estimate import Estimate, estimate_module
-from device_server.protocol import dtypes, ir_pb2
+from device_server.protocol import HOST_TARGETS, dtypes, ir_pb2
 
 _FIXED_ARITY = {
     **dict.fromkeys(
@@ -115,8 +115,8 @@ _load_kernels()
 ALWAYS_REFUSED: frozenset[str] = frozenset()
 # Opcodes that are evaluated at compile time when all their operands are constants.
 _NOT_FOLDABLE = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "outfeed"})
-# custom-call targets that talk to the host at run time (never folded at compile time).
-_RUN_TIME_TARGETS = frozenset({"tf_ipu_infeed"})
+# custom-call targets that talk to the host at run time (never folded, never dead code).
+_RUN_TIME_TARGETS = HOST_TARGETS
 _FOLD_LIMIT_BYTES = 16 << 20
 # Ops that only pass their operand on (the value is immutable, so no copy is needed).
 _FORWARDING = frozenset({"copy", "opt-barrier"})
@@ -669,7 +669,7 @@ class _Compiler:
             by_id[instr.id] = instr
         if comp.root_id not in by_id:
             raise InvalidProgramError(f"computation '{comp.name}': root {comp.root_id} does not exist.")
-        needed = {comp.root_id}
+        needed = {comp.root_id} | {i.id for i in comp.instructions if _talks_to_host(i)}
         for instr in reversed(comp.instructions):
             if instr.id in needed:
                 needed.update(instr.operands)
@@ -1145,10 +1145,15 @@ def _used_steps(
     needed = {root_slot}
     kept: list[tuple[_Step, ir_pb2.Instruction]] = []
     for step, instr in reversed(steps):
-        if step.out in needed:
+        if step.out in needed or _talks_to_host(instr):
             needed.update(step.ins)
             kept.append((step, instr))
     return kept[::-1]
+
+
+def _talks_to_host(instr: ir_pb2.Instruction) -> bool:
+    """An infeed or outfeed custom-call: kept even when nothing reads its result."""
+    return instr.opcode == "custom-call" and kernels.custom_call_target(instr) in _RUN_TIME_TARGETS
 
 
 def _broadcast_source(

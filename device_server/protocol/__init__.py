@@ -10,3 +10,9 @@ DEVICE_LOOP_NAME = "tf_ipu_device_loop"
 #: The custom-call target by which a running program pulls the next batch of an infeed
 #: (emulator/kernels/infeed.py, docs/ir.md).
 INFEED_TARGET = "tf_ipu_infeed"
+#: The custom-call target by which a running program hands values to an outfeed of the
+#: session, which the host dequeues (emulator/kernels/infeed.py, docs/ir.md).
+OUTFEED_TARGET = "tf_ipu_outfeed"
+#: Custom-call targets that talk to the host while the program runs: never folded at compile
+#: time, never removed as dead code, run in program order.
+HOST_TARGETS = frozenset({INFEED_TARGET, OUTFEED_TARGET})

@@ -4,6 +4,7 @@
       ipu.config.IPUConfig                      -> tf_ipu.IPUConfig
       ipu.ipu_strategy.IPUStrategy              -> tf_ipu.IPUStrategy
       ipu.utils.reset_ipu_seed(...)             -> seeds of this process (utils.py)
+      ipu.ipu_infeed_queue / ipu_outfeed_queue  -> infeeds and outfeeds (tf_ipu.feeds)
 
 ``install()`` registers the package as ``tensorflow.python.ipu`` (and its modules under their
 Graphcore names) in ``sys.modules`` and on the ``tensorflow.python`` package, unless Graphcore's
@@ -17,10 +18,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tf_ipu.graphcore import config, ipu_strategy, utils
+from tf_ipu.graphcore import config, ipu_infeed_queue, ipu_outfeed_queue, ipu_strategy, utils
 
 #: Graphcore's module names under ``tensorflow.python.ipu``, and ours.
-MODULES = {"config": config, "ipu_strategy": ipu_strategy, "utils": utils}
+MODULES = {"config": config, "ipu_strategy": ipu_strategy, "utils": utils,
+           "ipu_infeed_queue": ipu_infeed_queue, "ipu_outfeed_queue": ipu_outfeed_queue}
 PACKAGE = "tensorflow.python.ipu"
 
 
@@ -39,4 +41,5 @@ def install() -> bool:
     return True
 
 
-__all__ = ["MODULES", "PACKAGE", "config", "install", "ipu_strategy", "utils"]
+__all__ = ["MODULES", "PACKAGE", "config", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
+           "ipu_strategy", "utils"]

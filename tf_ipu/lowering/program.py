@@ -106,6 +106,8 @@ class LoweredProgram:
 
 
 def _flatten_results(out: Any) -> list[tf.Tensor]:
+    if out is None:  # a function run for its effects (variables, outfeeds)
+        return []
     flat = tf.nest.flatten(out)
     for t in flat:
         if t is None:
@@ -350,4 +352,6 @@ def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
         results[d.index] = value
     for i, dtype in lowered.result_casts.items():
         results[i] = tf.cast(results[i], dtype)
+    if lowered.result_structure is None:
+        return None
     return tf.nest.pack_sequence_as(lowered.result_structure, results)

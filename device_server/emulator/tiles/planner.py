@@ -56,7 +56,7 @@ from device_server.emulator.tiles import cycles as cyc
 from device_server.emulator.tiles.loops import TripCount, loop_trip_count
 from device_server.emulator.tiles.mapping import Allocator, TileMapping
 from device_server.emulator.tiles.matmul import MatmulPlan, MatmulProblem, plan_matmul
-from device_server.protocol import dtypes, ir_pb2
+from device_server.protocol import HOST_TARGETS, dtypes, ir_pb2
 
 __all__ = ["Buf", "CompPlan", "ModulePlan", "OpRecord", "Step", "layer_name", "plan_module"]
 
@@ -1311,7 +1311,10 @@ def live_instructions(comp: ir_pb2.Computation) -> list[ir_pb2.Instruction]:
     """The instructions the root depends on (and every parameter), in program order: the
     compiler's dead code elimination, for modules planned without compiling them."""
     by_id = {i.id: i for i in comp.instructions}
-    needed = {comp.root_id}
+    needed = {comp.root_id} | {
+        i.id for i in comp.instructions
+        if i.opcode == "custom-call" and _attr_str(i, "custom_call_target") in HOST_TARGETS
+    }
     for instr in reversed(comp.instructions):
         if instr.id in needed:
             needed.update(instr.operands)

@@ -1,0 +1,141 @@
+"""Infeeds and outfeeds of custom loops: ``strategy.run(fn, args=[iterator, ..., outfeed])``.
+
+    host: strategy.run ──> Feeder thread: next(iterator) ──PushInfeed──> session's infeed
+    device fn (lowered once):  for _ in tf.range(n):
+                                   x, y = next(iterator)   -> custom-call tf_ipu_infeed
+                                   outfeed.enqueue(loss)   -> custom-call tf_ipu_outfeed
+    ExecuteReply.outfeeds ──> the runtime ──> deliver() ──> the queue's dequeue() on the host
+
+An iterator argument of ``strategy.run`` is replaced, while ``fn`` is lowered, by a
+``DeviceIterator`` whose ``next`` pulls from an infeed of the session named after the
+argument's position; while the call runs, a ``Feeder`` pushes the real iterator's elements
+there (a few ahead of what the device has taken; what it pushed and the device did not take
+waits for the next call). An outfeed's ``enqueue`` inside ``fn`` hands values to the
+session's outfeed of that name; the call's reply carries them, stacked, and ``deliver`` keeps
+them until the host dequeues.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
+
+from device_server.protocol import INFEED_TARGET, OUTFEED_TARGET
+
+#: Batches a feeder keeps waiting in the session's infeed ahead of the device.
+AHEAD = 8
+
+_lock = threading.Lock()
+_outfeeds: dict[str, list[tuple[int, list[np.ndarray]]]] = {}
+
+
+def is_host_iterator(value: Any) -> bool:
+    """Whether ``value`` is an iterator over a tf.data dataset (an infeed argument)."""
+    return isinstance(value, (tf.data.Iterator, tf.distribute.DistributedIterator)) or (
+        hasattr(value, "_tf_ipu_host_iterator"))
+
+
+def host_iterator(value: Any) -> Any:
+    """The tf.data iterator behind an infeed argument (itself, or an infeed queue's)."""
+    return value._tf_ipu_host_iterator() if hasattr(value, "_tf_ipu_host_iterator") else value
+
+
+class DeviceIterator:
+    """Stands for an iterator inside a lowered device function: ``next`` pulls the next
+    element from infeed ``feed`` (an error on the device once the host's dataset ended)."""
+
+    def __init__(self, feed: str, element_spec: Any) -> None:
+        self.feed = feed
+        self.element_spec = element_spec
+        self._leaves = tf.nest.flatten(element_spec)
+        for spec in self._leaves:
+            if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
+                raise ValueError(
+                    f"An iterator given to strategy.run feeds the IPU, which needs static "
+                    f"shapes: its element {spec} is not (batch with drop_remainder=True)."
+                )
+
+    def __iter__(self) -> DeviceIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self.get_next()
+
+    def get_next(self) -> Any:
+        got = xla.custom_call_v2(
+            INFEED_TARGET, [tf.constant(0)], [tf.TensorSpec([], tf.bool), *self._leaves],
+            backend_config=f"{self.feed}|strict", has_side_effect=True,
+        )
+        return tf.nest.pack_sequence_as(self.element_spec, list(got[1:]))
+
+
+def enqueue_outfeed(feed: str, values: list[tf.Tensor]) -> None:
+    """Inside a lowered device function: hands ``values`` to outfeed ``feed``."""
+    xla.custom_call_v2(OUTFEED_TARGET, values, [tf.TensorSpec([], tf.bool)],
+                       backend_config=feed, has_side_effect=True)
+
+
+def deliver(outfeeds: dict[str, tuple[int, list[np.ndarray]]]) -> None:
+    """Keeps what a device call's reply carried for each outfeed (the runtime calls this)."""
+    with _lock:
+        for feed, item in outfeeds.items():
+            _outfeeds.setdefault(feed, []).append(item)
+
+
+def take(feed: str) -> list[tuple[int, list[np.ndarray]]]:
+    """What outfeed ``feed`` has received since it was last taken, oldest first."""
+    with _lock:
+        return _outfeeds.pop(feed, [])
+
+
+class Feeder:
+    """Pushes a host iterator's elements to infeed ``feed`` while a device call runs."""
+
+    def __init__(self, client: Any, feed: str, iterator: Any) -> None:
+        self.client = client
+        self.feed = feed
+        self.iterator = iterator
+        self.failure: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tf_ipu-feed-{feed}",
+                                        daemon=True)
+
+    def __enter__(self) -> Feeder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _elements(self) -> Iterator[list[np.ndarray]]:
+        for element in self.iterator:
+            yield [np.asarray(t) for t in tf.nest.flatten(element)]
+
+    def _run(self) -> None:
+        ended = False
+        try:
+            elements = self._elements()
+            while not self._stop.is_set():
+                queued = self.client.push_infeed(self.feed, [])
+                if queued >= AHEAD:
+                    self._stop.wait(0.002)
+                    continue
+                batch = next(elements, None)
+                if batch is None:
+                    ended = True
+                    break
+                self.client.push_infeed(self.feed, [batch])
+        except BaseException as e:  # re-raised by strategy.run after the call
+            self.failure = e
+        finally:
+            if ended:
+                try:
+                    self.client.push_infeed(self.feed, [], end=True)
+                except Exception:
+                    pass
