@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import server_util as su
 
 _KERAS_TUTORIAL = r'''
@@ -186,3 +187,36 @@ def tf_ipu_calls() -> int:
     import tf_ipu
 
     return tf_ipu.get_runtime().device_calls
+
+
+@pytest.mark.parametrize("kind", ["as_string", "numpy_function"])
+def test_an_op_xla_cannot_compile_is_named_with_its_layer(ipu_system, kind):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_ipu
+
+    class Host(keras.layers.Layer):
+        def call(self, x):
+            if kind == "as_string":
+                return x + tf.cast(tf.strings.length(tf.strings.as_string(x)), x.dtype) * 0.0
+            return tf.reshape(tf.numpy_function(lambda a: a * 2, [x], tf.float32), tf.shape(x))
+
+    with tf_ipu.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), Host(name="hostly")])
+        model.compile(loss="mse", optimizer="sgd", steps_per_execution=2)
+    op = {"as_string": "AsString", "numpy_function": "PyFunc"}[kind]
+    with pytest.raises(tf_ipu.errors.UnsupportedOpError) as info:
+        model.predict(np.ones((8, 4), "float32"), batch_size=4, verbose=0)
+    message = info.value.message
+    assert f"({op}) in Keras layer 'hostly'" in message, message
+    assert "the IPU runs only what XLA compiles" in message and "XLA_CPU_JIT" not in message
+
+
+def test_layers_are_named_inside_the_device_loop():
+    from device_server.protocol.names import layer_of
+
+    assert layer_of("tf_ipu_device_loop/functional_1/dense_1/MatMul") == "dense"
+    assert layer_of("tf_ipu_device_loop_2/sequential/conv2d/Conv2D") == "conv2d"
+    assert layer_of("gradient_tape/sequential/dense/MatMul") == "dense (backward)"

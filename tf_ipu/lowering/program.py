@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,32 @@ class LoweredProgram:
         return hashlib.sha256(self.program).hexdigest()[:16]
 
 
+_NO_XLA_KERNEL = re.compile(
+    r"(\w+) \(No registered '\w+' OpKernel for XLA_\w+ devices compatible with node "
+    r"\{\{node ([^}]+)\}\}")
+
+
+def _not_compilable(message: str, program: str) -> Exception | None:
+    """The error for TF ops XLA cannot compile (string ops, py_function, ...), naming each
+    op, its type and its Keras layer; None if ``message`` is about something else."""
+    from device_server.protocol.names import layer_of
+    from tf_ipu import errors
+
+    found = dict.fromkeys(_NO_XLA_KERNEL.findall(message))  # in order, once each
+    if not found:
+        return None
+    named = []
+    for op_type, node in found:
+        layer = layer_of(node)
+        named.append(f"op '{node}' ({op_type})" + (f" in Keras layer '{layer}'" if layer else ""))
+    return errors.UnsupportedOpError(
+        f"{program}: the IPU runs only what XLA compiles, and XLA has no kernel for "
+        f"{'; '.join(named)}. Move that computation out of the model (into the input "
+        f"pipeline, or after predict), or write it with ops XLA compiles.",
+        kind="not-compilable",
+    )
+
+
 def _flatten_results(out: Any) -> list[tf.Tensor]:
     if out is None:  # a function run for its effects (variables, outfeeds)
         return []
@@ -146,7 +173,13 @@ def lower_function(
     # calls strategy.run): the program is then embedded in the outer graph. (No init_scope:
     # it would pause gradient tapes, and train steps need them.)
     concrete = jf.get_concrete_function(*arg_specs)
-    hlo = jf.experimental_get_compiler_ir(*arg_specs)(stage="hlo_serialized")
+    try:
+        hlo = jf.experimental_get_compiler_ir(*arg_specs)(stage="hlo_serialized")
+    except (ValueError, tf.errors.OpError) as e:
+        refused = _not_compilable(str(e), name)
+        if refused is None:
+            raise
+        raise refused from None
     module = hlo_module_to_ir(hlo)
     module.name = name
 
