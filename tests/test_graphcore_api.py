@@ -220,3 +220,33 @@ def test_layers_are_named_inside_the_device_loop():
     assert layer_of("tf_ipu_device_loop/functional_1/dense_1/MatMul") == "dense"
     assert layer_of("tf_ipu_device_loop_2/sequential/conv2d/Conv2D") == "conv2d"
     assert layer_of("gradient_tape/sequential/dense/MatMul") == "dense (backward)"
+
+
+def test_estimate_before_the_first_fit_leaves_the_model_as_it_was(ipu_system):
+    """Notebook manners: tf_ipu.estimate(training=True) on a model built under IPUStrategy,
+    before it ever ran, then fit: the same weights, bit for bit, as without the estimate; the
+    estimate's repr is one line and it shows itself as HTML in Jupyter."""
+    import keras
+    import numpy as np
+
+    import tf_ipu
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((32, 16)).astype("float32")
+    y = rng.standard_normal((32, 4)).astype("float32")
+    trained = []
+    for estimate_first in (True, False):
+        keras.utils.set_random_seed(5)
+        with tf_ipu.IPUStrategy().scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                      keras.layers.Dense(4)])
+            model.compile(loss="mse", optimizer="adam", steps_per_execution=2)
+        if estimate_first:
+            report = tf_ipu.estimate(model, batch_size=8, training=True)
+            assert report.fits and report.cycles > 0
+            assert "\n" not in repr(report) and len(repr(report)) < 300
+            assert "<svg" in report._repr_html_()
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        trained.append(model.get_weights())
+    for a, b in zip(*trained, strict=True):
+        np.testing.assert_array_equal(a, b)

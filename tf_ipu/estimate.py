@@ -24,6 +24,7 @@ shape apart from the batch dimension.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -165,23 +166,37 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     x_specs = _input_specs(model, batch_size, input_spec)
     name = getattr(model, "name", "model")
     t0 = time.perf_counter()
-    if training:
-        y_specs = _label_specs(model, batch_size, label_spec)
-        _prepare_training(model, x_specs, y_specs)
-        nx = len(x_specs)
+    # A model built under a strategy (IPUStrategy) is traced as its strategy runs it: its
+    # variables (optimizer slots built here) in the strategy's scope, the step in a replica
+    # context. Nothing runs; the model's state is left as fit would find it.
+    strategy = getattr(model, "_distribute_strategy", None)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
 
-        def step(*args: tf.Tensor) -> Any:
-            return model.train_step((_pack(args[:nx]), _pack(args[nx:])))
+    def in_replica(fn: Any, *args: Any) -> Any:
+        if strategy is None:
+            return fn(*args)
+        lowering = getattr(strategy, "lowering", None)
+        with lowering() if lowering is not None else contextlib.nullcontext():
+            return strategy.extended.call_for_each_replica(fn, args=args)
 
-        specs = [*x_specs, *y_specs]
-        program = f"{name}/train_step[batch={batch_size}]"
-    else:
-        def step(*args: tf.Tensor) -> Any:
-            return model(_pack(args), training=False)
+    with scope:
+        if training:
+            y_specs = _label_specs(model, batch_size, label_spec)
+            _prepare_training(model, x_specs, y_specs)
+            nx = len(x_specs)
 
-        specs = x_specs
-        program = f"{name}/predict[batch={batch_size}]"
-    lowered = lower_function(step, specs, program)
+            def step(*args: tf.Tensor) -> Any:
+                return in_replica(model.train_step, (_pack(args[:nx]), _pack(args[nx:])))
+
+            specs = [*x_specs, *y_specs]
+            program = f"{name}/train_step[batch={batch_size}]"
+        else:
+            def step(*args: tf.Tensor) -> Any:
+                return in_replica(lambda x: model(x, training=False), _pack(args))
+
+            specs = x_specs
+            program = f"{name}/predict[batch={batch_size}]"
+        lowered = lower_function(step, specs, program)
     lower_s = time.perf_counter() - t0
     params = json.loads(lowered.signature)["params"]
     kinds = {n: _KIND_OF[p["kind"]] for n, p in enumerate(params)}

@@ -144,6 +144,16 @@ class Estimate:
 
         return save_html(self.to_dict(), path)
 
+    def __repr__(self) -> str:
+        """One line (the dataclass's own repr would print every per-tile array)."""
+        return f"<Estimate {self.summary()}>"
+
+    def _repr_html_(self) -> str:
+        """The HTML report, for notebooks (Jupyter displays it in place of the repr)."""
+        from device_server.emulator.tiles.html import render_html
+
+        return render_html(self.to_dict())
+
     def summary(self) -> str:
         """One line: time, throughput, memory."""
         items = f", {self.throughput:,.1f} items/s" if self.items_per_call else ""
