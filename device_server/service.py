@@ -64,6 +64,7 @@ from device_server.emulator import (
     compile_module,
     get_target,
 )
+from device_server.emulator.kernels.infeed import InfeedEnded
 from device_server.executable_cache import ExecutableCache, cache_key
 from device_server.protocol import device_pb2, dtypes, ir_pb2, shm
 from device_server.sessions import (
@@ -997,6 +998,9 @@ class DeviceService:
             except OutOfMemoryError as e:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: {e}",
                                    kind="out-of-memory") from e
+            except InfeedEnded as e:
+                raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, f"{what}: {e}",
+                                   kind="infeed-ended") from e
             except FloatingPointExceptionError as e:
                 # The program's own arithmetic (as TF's CheckNumerics reports it), not a fault
                 # of the server: INVALID_ARGUMENT, refined by the kind.

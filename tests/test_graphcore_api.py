@@ -250,3 +250,25 @@ def test_estimate_before_the_first_fit_leaves_the_model_as_it_was(ipu_system):
         trained.append(model.get_weights())
     for a, b in zip(*trained, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_custom_loop_that_outruns_its_dataset_gets_out_of_range(ipu_system):
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_ipu
+
+    with tf_ipu.IPUStrategy().scope():
+        acc = tf.Variable(0.0)
+
+    @tf.function
+    def loop(iterator, steps):
+        for _ in tf.range(steps):
+            acc.assign_add(tf.reduce_sum(next(iterator)))
+
+    ds = tf.data.Dataset.from_tensor_slices(np.ones((6, 4), "float32")).batch(2, drop_remainder=True)
+    strategy = tf_ipu.IPUStrategy()
+    with pytest.raises(tf.errors.OutOfRangeError, match="no more elements"):
+        strategy.run(loop, args=[iter(ds), 5])  # 3 batches for 5 steps
+    strategy.run(loop, args=[iter(ds), 3])  # the IPU goes on serving
+    assert float(acc.numpy()) == 24.0  # the failed call kept nothing; this one added 3 x 8

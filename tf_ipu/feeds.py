@@ -134,7 +134,7 @@ class Feeder:
         except BaseException as e:  # re-raised by strategy.run after the call
             self.failure = e
         finally:
-            if ended:
+            if ended or self.failure is not None:  # the device stops at its next pull
                 try:
                     self.client.push_infeed(self.feed, [], end=True)
                 except Exception:

@@ -190,7 +190,14 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         with contextlib.ExitStack() as stack:
             feeders = [stack.enter_context(feeds.Feeder(client, feed, it))
                        for feed, it in infeeds.items()]
-            result = call_lowered(lowered, flat)
+            try:
+                result = call_lowered(lowered, flat)
+            except Exception:
+                stack.close()  # the feeders stop; one that failed says why the call did
+                for feeder in feeders:
+                    if feeder.failure is not None:
+                        raise feeder.failure from None
+                raise
         for feeder in feeders:
             if feeder.failure is not None:
                 raise feeder.failure

@@ -30,6 +30,11 @@ from device_server.protocol import INFEED_TARGET as TARGET
 from device_server.protocol import OUTFEED_TARGET, dtypes
 
 
+class InfeedEnded(ExecutionError):
+    """A strict pull found the feed ended: the host's dataset has no more elements (the
+    service answers OUT_OF_RANGE, as TF's iterators do)."""
+
+
 @register_custom_call(TARGET)
 def _infeed(ctx: KernelContext) -> KernelFn:
     feed, _, mode = _config(ctx).partition("|")
@@ -54,7 +59,7 @@ def _infeed(ctx: KernelContext) -> KernelFn:
         batch = source(feed, token, where)
         if batch is None:
             if strict:
-                raise ExecutionError(
+                raise InfeedEnded(
                     f"{where}: the infeed ended: the host's dataset has no more elements "
                     f"(a loop asked for more batches than it holds).")
             return absent
