@@ -272,3 +272,52 @@ def test_a_custom_loop_that_outruns_its_dataset_gets_out_of_range(ipu_system):
         strategy.run(loop, args=[iter(ds), 5])  # 3 batches for 5 steps
     strategy.run(loop, args=[iter(ds), 3])  # the IPU goes on serving
     assert float(acc.numpy()) == 24.0  # the failed call kept nothing; this one added 3 x 8
+
+
+def test_device_connection_types(ipu_system, device_server):
+    """ON_DEMAND attaches at the first device call; PRE_COMPILE compiles and sizes, and
+    answers zeros; NEVER compiles and sizes, and refuses to run."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python import ipu
+
+    import tf_ipu
+    from tf_ipu.client import DeviceClient
+
+    def sessions() -> int:
+        with DeviceClient(device_server) as probe:
+            return probe.counters()["sessions_opened"]
+
+    strategy = tf_ipu.IPUStrategy()
+    x = tf.constant(np.arange(6, dtype="float32").reshape(2, 3))
+
+    @tf.function
+    def double(v):
+        return strategy.run(lambda t: t * 2.0 + 1.0, args=(v,))
+
+    cfg = ipu.config.IPUConfig()
+    cfg.server_address = device_server
+    try:
+        cfg.device_connection.type = ipu.config.DeviceConnectionType.ON_DEMAND
+        before = sessions()
+        cfg.configure_ipu_system()
+        assert sessions() == before  # nothing attached yet
+        np.testing.assert_array_equal(double(x).numpy(), x.numpy() * 2 + 1)
+        assert sessions() == before + 1  # the first call attached
+
+        cfg.device_connection.type = ipu.config.DeviceConnectionType.PRE_COMPILE
+        cfg.configure_ipu_system()
+        reports = len(tf_ipu.get_runtime().reports)
+        halve = tf.function(lambda v: strategy.run(lambda t: t / 2.0, args=(v,)))
+        np.testing.assert_array_equal(halve(x).numpy(), np.zeros((2, 3)))  # compiled, not run
+        assert len(tf_ipu.get_runtime().reports) == reports + 1
+
+        cfg.device_connection.type = ipu.config.DeviceConnectionType.NEVER
+        cfg.configure_ipu_system()
+        triple = tf.function(lambda v: strategy.run(lambda t: t * 3.0, args=(v,)))
+        with pytest.raises(tf.errors.FailedPreconditionError, match="device_connection.type is NEVER"):
+            triple(x)
+        with pytest.raises(ValueError, match="must be a DeviceConnectionType"):
+            cfg.device_connection.type = "NEVER"
+    finally:
+        ipu_system.configure_ipu_system()

@@ -17,6 +17,7 @@ Environment variables:
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import Any
 
@@ -148,6 +149,52 @@ class ConvolutionOptions(_PartialsOptions):
     _path = "IPUConfig.convolutions"
 
 
+class DeviceConnectionType(enum.Enum):
+    """How the process reaches its IPUs (Graphcore's ``ipu.config.DeviceConnectionType``).
+
+    * ``ALWAYS``: attach when the system is configured (the default).
+    * ``ON_DEMAND``: attach at the first device call.
+    * ``PRE_COMPILE``: compile (filling the server's executable cache) and size every
+      program, and answer device calls with zeros without running them.
+    * ``NEVER``: compile and size; a device call is an error.
+    """
+
+    ALWAYS = 0
+    ON_DEMAND = 1
+    PRE_COMPILE = 2
+    NEVER = 3
+
+
+class DeviceConnectionOptions(_Section):
+    """``device_connection``: when the process attaches to its IPUs.
+
+    Attributes:
+        type: a ``DeviceConnectionType`` (``ALWAYS`` by default).
+        version: the IPU version to compile for when not attaching ("" or one of
+            ``ipu_model.version``'s values; "" means ``ipu_model.version``).
+        enable_remote_buffers: Graphcore's flag for remote buffers when not attaching;
+            accepted and kept (there are no remote buffers to use here).
+    """
+
+    _fields = {"type": DeviceConnectionType.ALWAYS, "version": "", "enable_remote_buffers": False}
+    _path = "IPUConfig.device_connection"
+
+    def _check(self, name: str, value: Any) -> Any:
+        if name == "type" and not isinstance(value, DeviceConnectionType):
+            raise ValueError(
+                f"IPUConfig.device_connection.type must be a DeviceConnectionType "
+                f"(ALWAYS, ON_DEMAND, PRE_COMPILE, NEVER). Received: {value!r}"
+            )
+        if name == "version" and value and str(value).lower() not in IPU_VERSIONS:
+            raise ValueError(
+                f"IPUConfig.device_connection.version must be '' or one of "
+                f"{sorted(IPU_VERSIONS)}. Received: {value!r}"
+            )
+        if name == "enable_remote_buffers" and not isinstance(value, bool):
+            raise ValueError(f"{self._path}.{name} must be a bool. Received: {value!r}")
+        return str(value).lower() if name == "version" else value
+
+
 class DebugOptions(_Section):
     """``debug``: test switches passed to every compile.
 
@@ -180,6 +227,8 @@ class IPUConfig(_Section):
         matmuls: ``MatmulOptions`` (``partials_type``).
         convolutions: ``ConvolutionOptions`` (``partials_type``).
         debug: ``DebugOptions`` (test switches).
+        device_connection: ``DeviceConnectionOptions`` (``type``: when to attach, or never;
+            ``DeviceConnectionType``).
         connect_timeout: seconds to wait for the server before failing.
         server_token: the token a server started with ``--token-file`` wants; None:
             ``$TF_IPU_SERVER_TOKEN`` if set.
@@ -215,6 +264,7 @@ class IPUConfig(_Section):
                 "matmuls": MatmulOptions(),
                 "convolutions": ConvolutionOptions(),
                 "debug": DebugOptions(),
+                "device_connection": DeviceConnectionOptions(),
                 "connect_timeout": 5.0,
                 "server_token": None,
                 "server_tls_ca": None,
@@ -238,7 +288,8 @@ class IPUConfig(_Section):
                     f"IPUConfig.auto_select_ipus must be an int >= 1. "
                     f"Received: auto_select_ipus={value!r}"
                 )
-        if name in ("ipu_model", "floating_point_behaviour", "matmuls", "convolutions", "debug"):
+        if name in ("ipu_model", "floating_point_behaviour", "matmuls", "convolutions", "debug",
+                    "device_connection"):
             raise AttributeError(f"IPUConfig.{name} is a group: set its fields instead.")
         if name == "server_token" and value is not None and not isinstance(value, str):
             raise ValueError(f"IPUConfig.server_token must be a str. Received: {type(value).__name__}")

@@ -153,12 +153,21 @@ class DeviceRuntime:
     def config(self) -> Any:
         return self._config
 
-    def configure(self, cfg: Any) -> None:
+    def configure(self, cfg: Any, on_demand_now: bool = False) -> None:
         """Connects, opens a session and attaches IPUs as ``cfg`` says (reusing what it can:
-        a healthy connection with the same configuration is kept)."""
-        from tf_ipu.config import default_tiles
+        a healthy connection with the same configuration is kept). With
+        ``device_connection.type = ON_DEMAND`` the connection waits for the first device
+        call (``on_demand_now`` is that call)."""
+        from tf_ipu.config import DeviceConnectionType, default_tiles
 
         with self._lock:
+            if cfg.device_connection.type is DeviceConnectionType.ON_DEMAND and not on_demand_now:
+                if self._client is not None:
+                    self._disconnect()
+                self._config = cfg
+                self._config_key = None
+                self.ensure_handler()
+                return
             address = cfg.resolved_server_address
             token = cfg.resolved_server_token
             key = (
@@ -224,9 +233,10 @@ class DeviceRuntime:
         if self._client is None:
             from tf_ipu.config import IPUConfig
 
-            if self._config is not None:
+            if self._config is not None and self._config_key is not None:
                 _log.info("tf_ipu: reconnecting to the device server")
-            self.configure(self._config if self._config is not None else IPUConfig())
+            self.configure(self._config if self._config is not None else IPUConfig(),
+                           on_demand_now=True)
 
     def _drop_connection(self, error: errors.DeviceError) -> errors.DeviceError:
         """Forgets a connection whose server is gone or forgot the session; the next
@@ -409,6 +419,8 @@ class DeviceRuntime:
         """
         with self._lock:
             entry = self._programs[pid]
+            if self._answer_without_device(entry, outputs):
+                return
             if len(inputs) != len(entry.params):
                 raise errors.InvalidArgumentError(
                     f"{entry.name}: the kernel passed {len(inputs)} inputs, the program "
@@ -452,6 +464,24 @@ class DeviceRuntime:
             self._stats["calls"] += 1
             self._stats["client_seconds"] += time.perf_counter() - start
             self._stats["device_seconds"] += self.client.last_device_seconds
+
+    def _answer_without_device(self, entry: ProgramEntry, outputs: list[np.ndarray]) -> bool:
+        """``device_connection.type`` PRE_COMPILE: compile, answer zeros (True); NEVER: an
+        error; otherwise False (the call goes to the device)."""
+        from tf_ipu.config import DeviceConnectionType
+
+        kind = self._config.device_connection.type if self._config is not None else None
+        if kind not in (DeviceConnectionType.PRE_COMPILE, DeviceConnectionType.NEVER):
+            return False
+        self._on_device(lambda: self._compile_entry(entry))
+        if kind is DeviceConnectionType.NEVER:
+            raise errors.FailedPreconditionError(
+                f"{entry.name}: IPUConfig.device_connection.type is NEVER: programs are "
+                f"compiled and sized (strategy.reports), never run."
+            )
+        for out in outputs:
+            out[...] = 0
+        return True
 
     def call_in_flight(self) -> bool:
         """Whether a device call is running now (from entry into ``execute`` to its end)."""

@@ -4,12 +4,13 @@
 
 ``IPUConfig`` is ``tf_ipu.IPUConfig`` itself (the same class: options set through either name
 are the same options). ``configure_ipu_system(cfg)`` is the older function spelling of
-``cfg.configure_ipu_system()``.
+``cfg.configure_ipu_system()``. ``DeviceConnectionType`` (``cfg.device_connection.type``):
+ALWAYS, ON_DEMAND, PRE_COMPILE (compile and size, answer zeros), NEVER (compile and size only).
 """
 
 from __future__ import annotations
 
-from tf_ipu.config import IPUConfig
+from tf_ipu.config import DeviceConnectionType, IPUConfig
 
 
 def configure_ipu_system(config: IPUConfig, device: str = "cpu", reset_configuration: bool = True) -> None:
@@ -18,4 +19,4 @@ def configure_ipu_system(config: IPUConfig, device: str = "cpu", reset_configura
     config.configure_ipu_system()
 
 
-__all__ = ["IPUConfig", "configure_ipu_system"]
+__all__ = ["DeviceConnectionType", "IPUConfig", "configure_ipu_system"]
