@@ -321,3 +321,28 @@ def test_device_connection_types(ipu_system, device_server):
             cfg.device_connection.type = "NEVER"
     finally:
         ipu_system.configure_ipu_system()
+
+
+def test_a_long_compile_shows_progress(ipu_system, monkeypatch, capsys):
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_ipu
+    from tf_ipu import runtime
+
+    client = runtime.get_runtime().client
+    real = client.compile
+
+    def slow(*args, **kwargs):  # a compile that takes longer than a second
+        time.sleep(1.4)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client, "compile", slow)
+    strategy = tf_ipu.IPUStrategy()
+    out = tf.function(lambda v: strategy.run(lambda t: t - 7.0, args=(v,)))(tf.ones([3]))
+    np.testing.assert_array_equal(out.numpy(), np.full(3, -6.0))
+    err = capsys.readouterr().err
+    assert "tf_ipu: compiling run:<lambda> for the IPU ... 1 s" in err, err
+    assert "tf_ipu: compiled run:<lambda> in 1." in err, err

@@ -39,6 +39,7 @@ import atexit
 import hashlib
 import json
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -366,13 +367,14 @@ class DeviceRuntime:
             return
         cfg = self._config
         module = ir_pb2.Module.FromString(entry.program)
-        compiled = self.client.compile(
-            module,
-            refuse_opcodes=tuple(cfg.debug.refuse_opcodes) if cfg else (),
-            fault_inject_opcode=cfg.debug.fault_inject_opcode if cfg else "",
-            allow_out_of_memory=cfg.debug.allow_out_of_memory if cfg else False,
-            **(cfg.compile_numerics() if cfg else {}),
-        )
+        with _CompileProgress(entry.name):
+            compiled = self.client.compile(
+                module,
+                refuse_opcodes=tuple(cfg.debug.refuse_opcodes) if cfg else (),
+                fault_inject_opcode=cfg.debug.fault_inject_opcode if cfg else "",
+                allow_out_of_memory=cfg.debug.allow_out_of_memory if cfg else False,
+                **(cfg.compile_numerics() if cfg else {}),
+            )
         entry.executable_id = compiled.executable_id
         entry.aliases = dict(compiled.aliases)
         entry.estimate = compiled.estimate
@@ -651,6 +653,40 @@ class DeviceRuntime:
         ``device_calls``."""
         with self._lock:
             return {**self.residency.counters, "device_calls": self.device_calls}
+
+
+class _CompileProgress:
+    """Says on stderr that a compile is under way once it has taken ``AFTER`` seconds, then
+    every ``EVERY`` seconds, and how long it took (Graphcore's compile progress bar did the
+    same job): a notebook waiting for a big model's first step is not left silent."""
+
+    AFTER = 1.0
+    EVERY = 5.0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._done = threading.Event()
+        self._shown = False
+        self._start = 0.0
+
+    def __enter__(self) -> _CompileProgress:
+        self._start = time.perf_counter()
+        threading.Thread(target=self._watch, name="tf_ipu-compile-progress", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        wait = self.AFTER
+        while not self._done.wait(wait):
+            self._shown = True
+            print(f"tf_ipu: compiling {self.name} for the IPU ... "
+                  f"{time.perf_counter() - self._start:.0f} s", file=sys.stderr, flush=True)
+            wait = self.EVERY
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._shown:
+            print(f"tf_ipu: compiled {self.name} in {time.perf_counter() - self._start:.1f} s",
+                  file=sys.stderr, flush=True)
 
 
 def _fill_corner(out: np.ndarray, value: np.ndarray, dynamic: tuple[bool, ...], what: str) -> None:
