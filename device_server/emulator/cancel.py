@@ -69,10 +69,8 @@ class StopToken:
         self._asked_at = 0.0
         self._lock = threading.Lock()
         self._loops = 0                 # device loops running now
-        #: Steps the outermost device loop completed, and the steps it would have run, once
-        #: it ended early (None while it has not).
+        #: Steps the outermost device loop completed, once it ended early (None until then).
         self.steps_completed: int | None = None
-        self.steps_planned: int | None = None
 
     def stop(self, reason: str) -> None:
         """Asks the run to stop (the first reason given is kept)."""
@@ -110,11 +108,10 @@ class StopToken:
             with self._lock:
                 self._loops -= 1
 
-    def ended_early(self, completed: int, planned: int | None) -> None:
+    def ended_early(self, completed: int) -> None:
         """Records that the outermost device loop ended after ``completed`` steps."""
         if self._loops <= 1:
             self.steps_completed = completed
-            self.steps_planned = planned
 
     def stopped(self, where: str) -> RunStopped:
         """The error to raise when the run is abandoned at ``where``."""

@@ -152,14 +152,14 @@ def _while(ctx: KernelContext) -> KernelFn:
         with token.device_loop():
             while cond((state,)):
                 if token.at_step():
-                    token.ended_early(steps, None)
+                    token.ended_early(steps)
                     break
                 try:
                     state = body((state,))
                 except cancel.RunStopped:
                     if owned:  # the step wrote part of the state in place: nothing to keep
                         raise
-                    token.ended_early(steps, None)  # the state before the abandoned step
+                    token.ended_early(steps)  # the state before the abandoned step
                     break
                 steps += 1
         return state
