@@ -178,6 +178,22 @@ def _install_sync_points() -> None:
     at(Model, "save", lambda *a, **k: "model saved", lambda m: m)
 
 
+def _compiled(device_loop: Any, specs: list[tf.TensorSpec], name: str) -> tuple[LoweredProgram, Any]:
+    """Lowers a device loop and compiles it now (so that errors, an unsupported op or out of
+    memory, name the model's layers here, and the estimate is reported before the first
+    step); returns it with the traced runner that calls it through IpuExecute."""
+    from tf_ipu import runtime
+
+    lowered = lower_function(device_loop, specs, name)
+    runtime.get_runtime().compile(lowered.program, lowered.signature)
+
+    @tf.function(autograph=False)
+    def runner(*args: tf.Tensor) -> Any:
+        return call_lowered(lowered, list(args))
+
+    return lowered, runner
+
+
 def _signature(batch: list[tf.Tensor]) -> tuple:
     return tuple((t.dtype, tuple(t.shape)) for t in batch)
 
@@ -517,7 +533,6 @@ class IPUStepFunction:
         batch pulled from infeed ``feed`` (custom-call ``tf_ipu_infeed``, docs/ir.md) at the
         end of the step before (the first before the loop); the loop ends early when the
         host ends the feed. Outputs (steps run, the last step's logs)."""
-        from tf_ipu import runtime
 
         model = self.model
         strategy = model.distribute_strategy
@@ -568,13 +583,7 @@ class IPUStepFunction:
                 return steps, tf.nest.pack_sequence_as(out_spec, rest[n_in:])
 
         name = f"{getattr(model, 'name', 'model')}/{kind}_function[steps={self.steps_per_execution}, infeed]"
-        lowered = lower_function(device_loop, [tf.TensorSpec([], tf.int32)], name)
-        runtime.get_runtime().compile(lowered.program, lowered.signature)
-
-        @tf.function(autograph=False)
-        def runner(n_steps: tf.Tensor) -> Any:
-            return call_lowered(lowered, [n_steps])
-
+        lowered, runner = _compiled(device_loop, [tf.TensorSpec([], tf.int32)], name)
         return lowered, runner, feed
 
     def _run_group(self, structure: Any, stacked: list[tf.Tensor], k: int) -> Any:
@@ -608,7 +617,6 @@ class IPUStepFunction:
 
     # -- the device program ----------------------------------------------------------------
     def _lower(self, structure: Any, present: list[int], stacked: list[tf.Tensor]) -> Any:
-        from tf_ipu import runtime
 
         model = self.model
         strategy = model.distribute_strategy
@@ -684,15 +692,5 @@ class IPUStepFunction:
                 return tf.nest.pack_sequence_as(out_spec, final)
 
         model_name = getattr(model, "name", "model")
-        name = f"{model_name}/{kind}_function[steps={n}]"
-        lowered = lower_function(device_loop, specs, name)
-        # Compile now, so that errors (unsupported op, out of memory) name the model's
-        # layers here, and the estimate is reported before the first step.
-        runtime.get_runtime().compile(lowered.program, lowered.signature)
-
-        @tf.function(autograph=False)
-        def runner(n_steps: tf.Tensor, *flat_stacked: tf.Tensor) -> Any:
-            return call_lowered(lowered, [n_steps, *flat_stacked])
-
-        return lowered, runner
+        return _compiled(device_loop, specs, f"{model_name}/{kind}_function[steps={n}]")
 
