@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 
 from device_server.protocol import device_pb2, dtypes, shm
+from device_server.protocol.chunks import CHUNK_BYTES, SerializedChunk
 from device_server.sessions import ServiceError
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -41,7 +42,7 @@ _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 #: Bytes of one chunk of a blob (at most a quarter of the message limit).
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 #: A reply's tensor larger than this goes as a blob even if it fits the message (chunks move
 #: faster, and do not hold up the calls queued behind one big message).
 INLINE_MAX_BYTES = 4 << 20
@@ -340,12 +341,13 @@ def receive_blob(chunks: Iterator[device_pb2.BlobChunk], first: device_pb2.BlobC
     offset = 0
     held = 0
     for chunk in _with_first(first, chunks):
-        n = len(chunk.data)
+        data = chunk.data  # a view of the message's bytes (protocol/chunks.py): read once
+        n = len(data)
         if offset + n > total:
             raise ServiceError(
                 _INVALID, f"PutBlob: the stream carries more than the {total} bytes its first "
                 f"chunk declared.")
-        flat[offset:offset + n] = np.frombuffer(chunk.data, np.uint8)
+        flat[offset:offset + n] = np.frombuffer(data, np.uint8)
         offset += n
         held = max(held, n)
         if touch is not None:
@@ -375,8 +377,8 @@ def send_blob(array: np.ndarray, chunk_bytes: int, counters: TransferCounters,
         yield device_pb2.BlobChunk(total_bytes=0)
         return
     for offset in range(0, total, chunk_bytes):
-        piece = flat[offset:offset + chunk_bytes].tobytes()
         if touch is not None:
             touch()
-        yield device_pb2.BlobChunk(total_bytes=total if offset == 0 else 0, data=piece)
+        # One copy of the chunk makes the message's bytes (protocol/chunks.py).
+        yield SerializedChunk(total if offset == 0 else 0, flat[offset:offset + chunk_bytes])
     counters.add("stream_bytes_out", total)

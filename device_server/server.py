@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from device_server.protocol.chunks import receive_window_options
 from device_server.service import SERVICE_NAME, DeviceService, ServiceConfig
 
 logger = logging.getLogger(__name__)
@@ -213,7 +214,9 @@ def serve(
     if (tls_cert_chain is None) != (tls_private_key is None):
         raise ValueError("TLS needs both a certificate chain and a private key; received one.")
     service = DeviceService(config)
-    options = grpc_message_options(config.max_message_bytes) + [("grpc.so_reuseport", 0)]
+    service.max_execute_streams = max(0, max_workers // 2)  # the rest serve the other calls
+    options = (grpc_message_options(config.max_message_bytes) + [("grpc.so_reuseport", 0)]
+               + receive_window_options())
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="device-rpc"),
         options=options,

@@ -3,6 +3,7 @@
     tf_ipu.client.DeviceClient ==gRPC==> DeviceService (this module)
                                            |- SessionManager  sessions, leases, IPU pool
                                            |- ExecutableCache  sha256(module, arch, options)
+                                           |    '- DiskCache     the same keys, on disk (optional)
                                            '- emulator         compile_module / Executable.run
 
 Every handler runs inside ``_rpc``: a ``ServiceError`` becomes its gRPC status, any other
@@ -11,6 +12,8 @@ that do not even decode are refused as INVALID_ARGUMENT (the request deserialize
 raises). Refinements of a status (``out-of-memory`` vs ``no-free-ipus``) travel as trailing
 metadata ``tf-ipu-error-kind`` and are counted by kind. Nothing from the wire is pickled or
 evaluated: arrays are raw bytes plus dtype and dims (``device_server.protocol.dtypes``).
+``ExecuteStream`` serves Execute calls over one stream, each of its requests through the same
+wrapper as a unary Execute (an error ends the stream with the call's status).
 
 Limits (``ServiceConfig``, each a command line flag): message size either way, executables
 cached, bytes of resident variables per session (which also bounds the largest array a
@@ -27,6 +30,7 @@ other loops at their next iteration, keeping nothing of the call.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import logging
 import secrets
@@ -52,6 +56,8 @@ from device_server.data_path import (
     send_blob,
     tensor_value,
 )
+from device_server.disk_cache import DEFAULT_MAX_BYTES as DEFAULT_DISK_CACHE_BYTES
+from device_server.disk_cache import DiskCache
 from device_server.emulator import (
     CompileOptions,
     EmulatorError,
@@ -62,11 +68,13 @@ from device_server.emulator import (
     StopToken,
     UnsupportedOpError,
     compile_module,
+    executable_from_record,
     get_target,
 )
 from device_server.emulator.kernels.infeed import InfeedEnded
 from device_server.executable_cache import ExecutableCache, cache_key
-from device_server.protocol import device_pb2, dtypes, ir_pb2, shm
+from device_server.protocol import device_pb2, dtypes, hardware, ir_pb2, shm
+from device_server.protocol.chunks import parse_chunk
 from device_server.sessions import (
     ExecutableHandle,
     IpuPool,
@@ -133,6 +141,11 @@ class ServiceConfig:
             for free IPUs) on top of the client's own deadline (0: the client's only).
         unix_socket: the Unix socket the server also listens on ("" for none), told to
             sessions (``OpenSessionReply.unix_socket``).
+        executable_cache_path: folder of the executable cache on disk ("" for none), which
+            keeps compiled programs across restarts (``disk_cache.py``).
+        executable_cache_bytes: bound of that folder's entries, in bytes.
+        system: a named system (``device_server.protocol.hardware.SYSTEMS``: its IPUs, their
+            version and links), or "" for ``num_ipus`` IPUs of any version sessions ask for.
     """
 
     num_ipus: int = 1
@@ -146,6 +159,9 @@ class ServiceConfig:
     max_session_bytes: int = 4 << 30
     request_deadline_seconds: float = 600.0
     unix_socket: str = ""
+    executable_cache_path: str = ""
+    executable_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
+    system: str = ""
 
 
 @dataclass
@@ -243,10 +259,27 @@ class _StreamReply:
 
 
 class _CallState(threading.local):
-    """The RPC this worker thread is serving: its context and absolute deadline."""
+    """The RPC this worker thread is serving: its context and absolute deadlines."""
 
     context: Any = None
-    deadline: float | None = None  # time.monotonic() value
+    deadline: float | None = None  # time.monotonic() value: the client's, or the server's
+    client_deadline: float | None = None  # the client's own (the run's), or None
+    stream: _ExecuteStream | None = None  # the ExecuteStream this call came on, if any
+
+
+class _ExecuteStream:
+    """One ExecuteStream being served: the stop token of its call running now, which the
+    stream's one termination callback stops when the client cancels or goes away."""
+
+    __slots__ = ("token",)
+
+    def __init__(self) -> None:
+        self.token: StopToken | None = None
+
+    def cancelled(self) -> None:
+        token = self.token
+        if token is not None:
+            token.stop("cancelled")
 
 
 _COUNTER_HELP = {
@@ -254,8 +287,16 @@ _COUNTER_HELP = {
     "sessions_closed": "Sessions closed by their client.",
     "sessions_expired": "Sessions closed because their lease expired.",
     "compile_requests": "Compile calls that reached the cache.",
-    "compiles": "Programs compiled by the emulator (cache misses that succeeded or failed).",
-    "cache_hits": "Compile calls answered from the executable cache.",
+    "compiles": "Programs compiled by the emulator (misses of the cache in memory and of the "
+                "one on disk, that succeeded or failed).",
+    "cache_hits": "Compile calls answered from the executable cache (in memory or on disk).",
+    "disk_cache_hits": "Executables loaded from the executable cache on disk (not compiled).",
+    "disk_cache_misses": "Executables looked for on disk and not found there.",
+    "disk_cache_writes": "Executables written to the executable cache on disk.",
+    "disk_cache_rejected": "Entries of the disk cache not trusted (corrupt, foreign, stale, "
+                           "not the module's): deleted, and the program compiled again.",
+    "disk_cache_evictions": "Entries deleted from the disk cache to keep it within its bound.",
+    "disk_cache_write_errors": "Entries that could not be written to the disk cache.",
     "executions": "Programs executed.",
     "variable_buffers_allocated": "Buffers allocated for resident variables (new variables, "
                                   "or a new dtype or shape).",
@@ -284,6 +325,12 @@ class DeviceService:
     """
 
     def __init__(self, config: ServiceConfig) -> None:
+        if config.system:  # ValueError for an unknown name
+            self.system: hardware.System | None = hardware.get_system(config.system)
+            config = dataclasses.replace(config, num_ipus=self.system.num_ipus,
+                                         ipu_version=self.system.ipu_version)
+        else:
+            self.system = None
         default_target = get_target(config.ipu_version)  # ValueError for an unknown name
         self.config = config
         self.default_ipu_version, _ = _describe_target(default_target, config.ipu_version)
@@ -296,12 +343,23 @@ class DeviceService:
             on_close=self._on_session_closed,
         )
         self.cache = ExecutableCache(config.cache_entries)
+        # ValueError for a folder that cannot be used: the server does not start.
+        self.disk_cache = (DiskCache(config.executable_cache_path, config.executable_cache_bytes)
+                           if config.executable_cache_path else None)
+        if self.disk_cache is not None:
+            logger.info("executable cache on disk: %r", self.disk_cache)
         self.execute_latency = LatencyStats()
         self.transfers = TransferCounters()
         self._server_refuse = frozenset(config.refuse_opcodes)
         self._call = _CallState()
         self._in_flight = 0
-        self._idle = threading.Condition(threading.Lock())
+        self._in_flight_lock = threading.Lock()
+        #: ExecuteStreams served at once at most (each holds a worker thread: ``serve`` sets
+        #: half of its workers); past it a stream is refused and the client uses Execute.
+        self.max_execute_streams = 4
+        self._execute_streams = 0
+        self._idle = threading.Condition(self._in_flight_lock)
+        self._idle_waiters = 0  # wait_idle calls waiting (notified when no RPC is left)
         self._shutting_down = False
 
     def __repr__(self) -> str:
@@ -340,12 +398,17 @@ class DeviceService:
         }
         handlers["PutBlob"] = grpc.stream_unary_rpc_method_handler(
             self._rpc("PutBlob", self.put_blob, stream_in=True),
-            request_deserializer=self._decoder(device_pb2.BlobChunk),
+            request_deserializer=self._decoder(device_pb2.BlobChunk, parse_chunk),
             response_serializer=self._encode,
         )
         handlers["GetBlob"] = grpc.unary_stream_rpc_method_handler(
             self._rpc_stream_out("GetBlob", self.get_blob),
             request_deserializer=self._decoder(device_pb2.GetBlobRequest),
+            response_serializer=self._encode,
+        )
+        handlers["ExecuteStream"] = grpc.stream_stream_rpc_method_handler(
+            self._execute_stream(),
+            request_deserializer=self._decoder(device_pb2.ExecuteRequest),
             response_serializer=self._encode,
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
@@ -382,20 +445,29 @@ class DeviceService:
         left."""
         end = time.monotonic() + max(0.0, timeout)
         with self._idle:
-            while self._in_flight:
-                remaining = end - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._idle.wait(remaining)
+            self._idle_waiters += 1
+            try:
+                while self._in_flight:
+                    remaining = end - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._idle.wait(remaining)
+            finally:
+                self._idle_waiters -= 1
             return True
 
     # -- the RPC wrapper ----------------------------------------------------------------
 
-    def _decoder(self, cls: type) -> Callable[[bytes], Any]:
+    def _decoder(self, cls: type, parse: Callable[[bytes], Any] | None = None
+                 ) -> Callable[[bytes], Any]:
+        """The request deserializer of ``cls`` (``parse``: how to parse it, if not
+        ``cls.FromString``); it never raises (an undecodable request is refused by ``_rpc``)."""
+        parse = parse or cls.FromString
+
         def decode(raw: bytes) -> Any:
             self.counters.add("bytes_in", len(raw))
             try:
-                return _Request(cls.FromString(raw), len(raw))
+                return _Request(parse(raw), len(raw))
             except Exception as e:  # DecodeError, recursion limit, ...
                 return _Undecodable(cls.__name__, len(raw), f"{type(e).__name__}: {e}")
 
@@ -406,13 +478,21 @@ class DeviceService:
         self.counters.add("bytes_out", len(raw))
         return raw
 
-    def _rpc(self, name: str, fn: Callable[[Any], Any],
-             stream_in: bool = False) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def _rpc(self, name: str, fn: Callable[[Any], Any], stream_in: bool = False,
+             own_timeout: bool = False) -> Callable[[Any, grpc.ServicerContext], Any]:
+        """The wrapper of a handler (see the module docstring). ``own_timeout``: the request's
+        ``timeout_seconds`` also bounds the call (a call on a stream)."""
+        # Made once: the wrapper runs for every call (one per step, or more often).
+        rpcs_counter = f"rpcs.{name}"
+        ok_level = logging.DEBUG if name in _QUIET_WHEN_OK else logging.INFO
+        latency = self.execute_latency if name == "Execute" else None
+        in_flight_lock = self._in_flight_lock
+
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
             start = time.perf_counter()
-            with self._idle:
+            with in_flight_lock:
                 self._in_flight += 1
-            self.counters.add(f"rpcs.{name}")
+            self.counters.add(rpcs_counter)
             stream = None
             if stream_in:  # an iterator of requests: the first one names the session
                 stream = _Messages(request)
@@ -420,11 +500,17 @@ class DeviceService:
             message = getattr(request, "message", None)
             session_id = str(getattr(message, "session_id", ""))
             remaining = context.time_remaining()
+            if own_timeout and message is not None and message.timeout_seconds > 0:
+                own = message.timeout_seconds
+                remaining = own if remaining is None else min(remaining, own)
+            now = time.monotonic()
+            call = self._call
+            call.client_deadline = None if remaining is None else now + remaining
             limit = self.config.request_deadline_seconds
             if limit > 0:
                 remaining = limit if remaining is None else min(remaining, limit)
-            self._call.context = context
-            self._call.deadline = None if remaining is None else time.monotonic() + remaining
+            call.context = context
+            call.deadline = None if remaining is None else now + remaining
             reply, out_bytes = None, 0
             try:
                 if isinstance(request, _Undecodable):
@@ -461,19 +547,22 @@ class DeviceService:
                     kind="internal",
                 ), True
             finally:
-                self._call.context = None
-                self._call.deadline = None
-                with self._idle:
+                call.context = None
+                call.deadline = None
+                call.client_deadline = None
+                with in_flight_lock:
                     self._in_flight -= 1
-                    if not self._in_flight:
+                    if not self._in_flight and self._idle_waiters:
                         self._idle.notify_all()
             seconds = time.perf_counter() - start
             if stream is not None:
                 request = _Request(message, stream.nbytes)
             if error is None:
-                if name == "Execute":
-                    self.execute_latency.observe(seconds)
-                self.log_rpc(name, session_id, "OK", seconds, request.nbytes, out_bytes, context)
+                if latency is not None:
+                    latency.observe(seconds)
+                if rpc_logger.isEnabledFor(ok_level):  # (log_rpc's own test, without the call)
+                    self.log_rpc(name, session_id, "OK", seconds, request.nbytes, out_bytes,
+                                 context)
                 return reply
             text = error.message
             if len(text) > _MAX_DETAILS_CHARS:
@@ -504,6 +593,45 @@ class DeviceService:
                 self.count_error(grpc.StatusCode.INTERNAL, "internal")
                 context.abort(grpc.StatusCode.INTERNAL,
                               f"{name} failed inside the device server: {type(e).__name__}: {e}")
+
+        return handle
+
+    def _execute_stream(self) -> Callable[[Any, grpc.ServicerContext], Any]:
+        """ExecuteStream (device.proto): each request of the stream is an Execute call, served
+        by ``_rpc`` as the unary call is (counted, logged, deadline from the request's
+        ``timeout_seconds``); a call's error ends the stream with its status. The stream
+        holds this worker thread while it is open, so at most ``max_execute_streams`` are."""
+        call = self._rpc("Execute", self.execute, own_timeout=True)
+
+        def handle(requests: Any, context: grpc.ServicerContext) -> Any:
+            with self._in_flight_lock:
+                open_now = self._execute_streams
+                refused = open_now >= self.max_execute_streams
+                if not refused:
+                    self._execute_streams += 1
+            if refused:
+                message = (f"ExecuteStream: the server serves {open_now} streams, as many as "
+                           f"it may (each holds one of its worker threads); the request was "
+                           f"not run: send it with Execute.")
+                self.count_error(_EXHAUSTED, "too-many-streams")
+                self.log_rpc("ExecuteStream", "", _EXHAUSTED.name, 0.0, 0, 0, context,
+                             kind="too-many-streams", message=message)
+                context.set_trailing_metadata(((ERROR_KIND_METADATA, "too-many-streams"),))
+                context.abort(_EXHAUSTED, message)
+            self.counters.add("rpcs.ExecuteStream")
+            stream = _ExecuteStream()
+            context.add_callback(stream.cancelled)
+            try:
+                for request in requests:
+                    self._call.stream = stream
+                    try:
+                        reply = call(request, context)
+                    finally:
+                        self._call.stream = None
+                    yield reply
+            finally:
+                with self._in_flight_lock:
+                    self._execute_streams -= 1
 
         return handle
 
@@ -580,16 +708,17 @@ class DeviceService:
         """A stop token for the run this call starts: it stops by itself at the run deadline
         the request asks for or at the call's own deadline, and when the client cancels or
         goes away (gRPC's termination callback)."""
-        now = time.monotonic()
-        context = self._call.context
+        call = self._call
         # The client's deadline (the server's request deadline bounds waiting, not running).
-        remaining = context.time_remaining() if context is not None else None
-        deadlines = [d for d in (None if remaining is None else now + remaining,
-                                 now + run_deadline_seconds if run_deadline_seconds > 0 else None)
-                     if d is not None]
-        token = StopToken(min(deadlines) if deadlines else None)
-        if context is not None:
-            context.add_callback(lambda: token.stop("cancelled"))
+        deadline = call.client_deadline
+        if run_deadline_seconds > 0:
+            run_end = time.monotonic() + run_deadline_seconds
+            deadline = run_end if deadline is None else min(deadline, run_end)
+        token = StopToken(deadline)
+        if call.stream is not None:
+            call.stream.token = token  # the stream's callback stops it (one per stream)
+        elif call.context is not None:
+            call.context.add_callback(lambda: token.stop("cancelled"))
         return token
 
     def _on_session_closed(self, session: Session, reason: str) -> None:
@@ -616,6 +745,7 @@ class DeviceService:
             lease_seconds=session.lease_seconds,
             max_session_bytes=self.config.max_session_bytes,
             unix_socket=self.config.unix_socket,
+            system=self.system.name if self.system else "",
         )
 
     def close_session(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
@@ -646,6 +776,14 @@ class DeviceService:
                     _INVALID, f"wait_seconds must be >= 0. Received: {request.wait_seconds}"
                 )
             version = request.ipu_version or self.default_ipu_version
+            if self.system is not None and _canonical(version) != self.system.ipu_version:
+                raise ServiceError(
+                    _INVALID,
+                    f"AttachIpus: this server hosts a {self.system.name} "
+                    f"({self.system.description}): it has no {version!r} IPUs. Ask for "
+                    f"ipu_version {self.system.ipu_version!r} (or none), or use a server "
+                    f"started with another --system.",
+                )
             try:
                 target = get_target(version, tiles_per_ipu=request.tiles_per_ipu)
             except ValueError as e:
@@ -658,7 +796,8 @@ class DeviceService:
             if remaining is not None:
                 wait = min(wait, max(0.0, remaining - 0.05))  # answer before the deadline
             ids = self.pool.allocate(request.num_ipus, s.session_id, wait_seconds=wait,
-                                     still_wanted=self._client_waiting)
+                                     still_wanted=self._client_waiting,
+                                     wanted=request.ipu_ids)
             s.ipu_ids = ids
             s.target = target
             s.ipu_version, s.tiles_per_ipu = _describe_target(target, version)
@@ -706,20 +845,32 @@ class DeviceService:
                 **numerics,
             )
 
+            from_disk: list[bool] = []
+
             def build() -> Any:
+                if self.disk_cache is not None:
+                    _check_array_sizes(module, self.config.max_session_bytes)
+                    exe = self._load_from_disk(key, module, target, options)
+                    if exe is not None:
+                        from_disk.append(True)
+                        return exe
                 self.counters.add("compiles")
                 _check_array_sizes(module, self.config.max_session_bytes)
                 try:
-                    return compile_module(module, target, options)
+                    exe = compile_module(module, target, options)
                 except Exception as e:
                     mapped = _compile_error(e, module.name)
                     if mapped is e:
                         raise
                     raise mapped from e
+                if self.disk_cache is not None:
+                    self.disk_cache.store(key, exe.cache_record())
+                return exe
 
             self.counters.add("compile_requests")
             lookup = self.cache.get_or_compile(key, build)
-            if lookup.hit:
+            hit = lookup.hit or bool(from_disk)
+            if hit:
                 self.counters.add("cache_hits")
             exe = lookup.executable
             handle_id = s.handle_by_key.get(key)
@@ -729,11 +880,12 @@ class DeviceService:
                 s.executables[handle_id] = ExecutableHandle(handle_id, key, exe)
             logger.info(
                 "session %s compiled %r -> %s (%s, %.3f s)", s.short_id, module.name,
-                handle_id[:8], "cache hit" if lookup.hit else "compiled", lookup.compile_seconds,
+                handle_id[:8], "loaded from the disk cache" if from_disk
+                else "cache hit" if lookup.hit else "compiled", lookup.compile_seconds,
             )
             return device_pb2.CompileReply(
                 executable_id=handle_id,
-                cache_hit=lookup.hit,
+                cache_hit=hit,
                 parameters=[_tensor_spec(dt, shape) for dt, shape in exe.parameters],
                 outputs=[_tensor_spec(dt, shape) for dt, shape in exe.outputs],
                 aliases=[
@@ -743,6 +895,36 @@ class DeviceService:
                 estimate=_estimate(exe.estimate),
                 compile_seconds=lookup.compile_seconds,
             )
+
+    def _load_from_disk(self, key: str, module: ir_pb2.Module, target: Any,
+                        options: CompileOptions) -> Any:
+        """The executable of ``key`` made from its disk cache entry, or None (no entry, or
+        one that is rejected: it does not describe this module)."""
+        assert self.disk_cache is not None
+        record = self.disk_cache.load(key)
+        if record is None:
+            return None
+        try:
+            exe = executable_from_record(module, target, options, record)
+        except (ValueError, TypeError, EmulatorError) as e:
+            self.disk_cache.reject(key, f"its record does not describe the program: {e}")
+            return None
+        self.counters.add("disk_cache_hits")
+        return exe
+
+    def _generate_program(self, exe: Any, what: str) -> None:
+        """Generates the program of an executable loaded from the disk cache (its first run)."""
+        start = time.perf_counter()
+        try:
+            exe.ensure_program()
+        except Exception as e:
+            raise ServiceError(
+                grpc.StatusCode.INTERNAL, f"{what}: generating the program of {exe.name!r} "
+                f"(loaded from the executable cache on disk) failed: {type(e).__name__}: {e}",
+                kind="execution",
+            ) from e
+        logger.info("generated the program of %r (loaded from the disk cache) in %.3f s",
+                    exe.name, time.perf_counter() - start)
 
     # -- variables ----------------------------------------------------------------------
 
@@ -980,6 +1162,8 @@ class DeviceService:
             # into them (as XLA does with donated buffers); a variable bound twice is not.
             bound = Counter(variable_of.values()) if updates else {}
             donated = [exe.aliases[o] for o, key in updates.items() if bound[key] == 1]
+            if not exe.program_ready:
+                self._generate_program(exe, what)  # before the run deadline starts
             token = self._stop_token(request.run_deadline_seconds)
             token.infeed = lambda feed, tok, where: s.data.infeed(feed).pull(tok, where)
             token.outfeed = s.data.enqueue_outfeed
@@ -1103,11 +1287,15 @@ class DeviceService:
         values["executables_cached"] = len(self.cache)
         values["cache_evictions"] = self.cache.evictions
         values["rpcs_in_flight"] = self.in_flight
+        values["execute_streams_open"] = self._execute_streams
         _, count, _ = self.execute_latency.snapshot()
         values["execute_latency_count"] = count
         values["execute_latency_p50_us"] = round(self.execute_latency.quantile(0.5) * 1e6)
         values["execute_latency_p99_us"] = round(self.execute_latency.quantile(0.99) * 1e6)
         values.update({f"transfer.{k}": v for k, v in self.transfers.snapshot().items()})
+        if self.disk_cache is not None:
+            values.update({f"disk_cache_{k}": v for k, v in self.disk_cache.stats.items()
+                           if k != "hits"})  # hits: those whose record described the module
         return values
 
     def get_counters(self, request: device_pb2.Empty) -> device_pb2.CountersReply:
@@ -1145,6 +1333,7 @@ def prometheus_text(values: dict[str, int], latency: LatencyStats | None = None)
         ("ipus_free", "IPUs not attached to a session."),
         ("executables_cached", "Executables in the server's cache."),
         ("rpcs_in_flight", "RPCs being served."),
+        ("execute_streams_open", "ExecuteStreams open (each holds a worker thread)."),
     ):
         metric = f"{prefix}{name}"
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge",
@@ -1259,6 +1448,13 @@ def _numerics_options(options: device_pb2.CompileOptions) -> dict[str, Any]:
         out[name] = bool(getattr(fp, name))
     out["stochastic_rounding_seed"] = int(options.stochastic_rounding_seed)
     return out
+
+
+def _canonical(version: str) -> str:
+    try:
+        return hardware.canonical_version(version)
+    except ValueError:
+        return version  # get_target says what is wrong with it
 
 
 def _compile_error(error: Exception, module_name: str) -> Exception:

@@ -20,8 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +78,14 @@ class IpuPool:
         session_id: str,
         wait_seconds: float = 0.0,
         still_wanted: Callable[[], bool] | None = None,
+        wanted: Sequence[int] = (),
     ) -> list[int]:
         """Attaches ``count`` free IPUs to ``session_id``, waiting for them if asked.
 
         Args:
-            count: how many IPUs.
+            count: how many IPUs (the length of ``wanted`` if that is given; 0 is fine then).
             session_id: the owner.
+            wanted: exactly these IPUs (IPUConfig.select_ipus), instead of any free ones.
             wait_seconds: how long to wait for enough IPUs to become free (0: not at all).
             still_wanted: polled while waiting; returning False ends the wait (the caller
                 went away).
@@ -97,6 +98,19 @@ class IpuPool:
                 server hosts; RESOURCE_EXHAUSTED naming the requested and free counts when
                 not enough IPUs were free in time; UNAVAILABLE if the server shuts down.
         """
+        wanted = list(wanted)
+        if wanted:
+            bad = [i for i in wanted if not 0 <= i < self.num_ipus]
+            if bad or len(set(wanted)) != len(wanted) or count not in (0, len(wanted)):
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"AttachIpus: ipu_ids {wanted} "
+                    + (f"name IPUs this server does not have (it has IPUs 0 to "
+                       f"{self.num_ipus - 1})" if bad else
+                       "repeat an IPU" if len(set(wanted)) != len(wanted) else
+                       f"do not match num_ipus={count}") + ".",
+                )
+            count = len(wanted)
         if count < 1:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -113,7 +127,11 @@ class IpuPool:
                         kind="shutting-down",
                     )
                 free = [i for i in range(self.num_ipus) if i not in self._owner]
-                if count <= len(free):
+                if wanted and all(i in free for i in wanted):
+                    for i in wanted:
+                        self._owner[i] = session_id
+                    return sorted(wanted)
+                if not wanted and count <= len(free):
                     ids = free[:count]
                     for i in ids:
                         self._owner[i] = session_id
@@ -122,6 +140,17 @@ class IpuPool:
                 if (count > self.num_ipus or remaining <= 0
                         or (still_wanted is not None and not still_wanted())):
                     waited = time.monotonic() - start
+                    if wanted:
+                        taken = [i for i in wanted if i not in free]
+                        raise ServiceError(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"IPU {', '.join(map(str, taken))} (selected by ipu_ids) "
+                            f"{'is' if len(taken) == 1 else 'are'} attached to another "
+                            f"session; free IPUs: {free or 'none'}"
+                            + (f" (after waiting {waited:.1f} s)" if wait_seconds > 0 else "")
+                            + ".",
+                            kind="no-free-ipus",
+                        )
                     raise ServiceError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"Not enough free IPUs: requested {count}, free {len(free)} "
@@ -183,16 +212,10 @@ class Session:
         # Stop tokens of the runs in progress (emulator/cancel.py); guarded by _waiting_lock.
         self._runs: set[Any] = set()
 
-    @contextmanager
-    def run(self, token: Any) -> Iterator[Any]:
-        """Registers a run's stop token for the block, so that ``stop_runs`` reaches it."""
-        with self._waiting_lock:
-            self._runs.add(token)
-        try:
-            yield token
-        finally:
-            with self._waiting_lock:
-                self._runs.discard(token)
+    def run(self, token: Any) -> _Run:
+        """Registers a run's stop token for the block (``with session.run(token):``), so
+        that ``stop_runs`` reaches it."""
+        return _Run(self, token)
 
     def stop_runs(self, reason: str) -> int:
         """Asks the session's runs in progress to stop (``reason`` as in
@@ -227,9 +250,9 @@ class Session:
         """Bytes of the session's resident variables (read while the session is entered)."""
         return sum(v.nbytes for v in self.variables.values())
 
-    @contextmanager
-    def enter(self, max_waiting: int, timeout: float | None = None) -> Iterator[Session]:
-        """Serializes a call of this session; renews the lease on the way in and out.
+    def enter(self, max_waiting: int, timeout: float | None = None) -> _Entered:
+        """Serializes a call of this session (``with session.enter(...) as s:``); renews
+        the lease on the way in and out.
 
         Args:
             max_waiting: how many calls of this session may wait for the lock at once; one
@@ -238,41 +261,49 @@ class Session:
             timeout: seconds to wait for the session's earlier call to finish (None: no
                 bound); DEADLINE_EXCEEDED after it.
 
-        Raises:
-            ServiceError: NOT_FOUND if the session was closed while the call waited.
+        Raises (on entering the block):
+            ServiceError: RESOURCE_EXHAUSTED if ``max_waiting`` calls wait already;
+                DEADLINE_EXCEEDED after ``timeout``; NOT_FOUND if the session was closed
+                while the call waited.
         """
-        with self._waiting_lock:
-            if self._waiting >= max_waiting:
-                raise ServiceError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Session {self.session_id} already has {self._waiting} calls waiting; "
-                    f"calls of one session run one at a time (limit {max_waiting} waiting).",
-                    kind="too-many-calls",
-                )
-            self._waiting += 1
-        try:
-            acquired = self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
-        finally:
+        return _Entered(self, max_waiting, timeout)
+
+    def _acquire(self, max_waiting: int, timeout: float | None) -> None:
+        """Takes the session's lock for ``enter``, by its rules."""
+        # A class and a first try without waiting, not a generator: this is on the path of
+        # every call, and usually no earlier call of the session is running.
+        if not self._lock.acquire(blocking=False):
             with self._waiting_lock:
-                self._waiting -= 1
-        if not acquired:
-            raise ServiceError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"Session {self.session_id}: the call waited {timeout:.1f} s for the session's "
-                f"earlier call to finish (calls of one session run one at a time).",
-                kind="deadline",
-            )
-        try:
-            if self.closed:
+                if self._waiting >= max_waiting:
+                    raise ServiceError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"Session {self.session_id} already has {self._waiting} calls "
+                        f"waiting; calls of one session run one at a time (limit "
+                        f"{max_waiting} waiting).",
+                        kind="too-many-calls",
+                    )
+                self._waiting += 1
+            try:
+                acquired = self._lock.acquire(
+                    timeout=-1 if timeout is None else max(0.0, timeout))
+            finally:
+                with self._waiting_lock:
+                    self._waiting -= 1
+            if not acquired:
                 raise ServiceError(
-                    grpc.StatusCode.NOT_FOUND, f"Session {self.session_id} was closed.",
-                    kind="unknown-session",
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"Session {self.session_id}: the call waited {timeout:.1f} s for the "
+                    f"session's earlier call to finish (calls of one session run one at a "
+                    f"time).",
+                    kind="deadline",
                 )
-            self.touch()
-            yield self
-        finally:
-            self.touch()
+        if self.closed:
             self._lock.release()
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND, f"Session {self.session_id} was closed.",
+                kind="unknown-session",
+            )
+        self.last_seen = time.monotonic()
 
     def try_enter(self) -> bool:
         """Takes the session's lock if it is free (the reaper's way in); see ``leave``."""
@@ -281,6 +312,45 @@ class Session:
     def leave(self) -> None:
         """Releases the lock taken by ``try_enter``."""
         self._lock.release()
+
+
+class _Entered:
+    """``Session.enter``'s block: the session's lock is held inside it."""
+
+    __slots__ = ("_session", "_max_waiting", "_timeout")
+
+    def __init__(self, session: Session, max_waiting: int, timeout: float | None) -> None:
+        self._session = session
+        self._max_waiting = max_waiting
+        self._timeout = timeout
+
+    def __enter__(self) -> Session:
+        self._session._acquire(self._max_waiting, self._timeout)
+        return self._session
+
+    def __exit__(self, *exc: object) -> None:
+        session = self._session
+        session.last_seen = time.monotonic()  # the lease runs from the call's end
+        session._lock.release()
+
+
+class _Run:
+    """``Session.run``'s block: the run's stop token is registered inside it."""
+
+    __slots__ = ("_session", "_token")
+
+    def __init__(self, session: Session, token: Any) -> None:
+        self._session = session
+        self._token = token
+
+    def __enter__(self) -> Any:
+        with self._session._waiting_lock:
+            self._session._runs.add(self._token)
+        return self._token
+
+    def __exit__(self, *exc: object) -> None:
+        with self._session._waiting_lock:
+            self._session._runs.discard(self._token)
 
 
 class SessionManager:

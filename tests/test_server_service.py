@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -34,7 +35,7 @@ from device_server.protocol import device_pb2, device_pb2_grpc, ir_pb2
 from device_server.server import is_loopback, serve
 from device_server.service import ServiceConfig
 from tf_ipu import errors
-from tf_ipu.client import DeviceClient, VariableRef
+from tf_ipu.client import DeviceClient, SessionInfo, VariableRef
 
 MIB = 1 << 20
 RNG = np.random.default_rng(0)
@@ -372,6 +373,90 @@ def test_forgotten_session_is_reopened_and_the_call_retried(ipu_system):
     assert runtime.client.session_id != old
     for got, want in zip(b.get_weights(), a.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+# -- Execute over a stream -------------------------------------------------------------------
+
+
+def test_execute_stream_answers_in_order_and_an_error_ends_only_that_stream(device_server):
+    with attached(device_server) as c:
+        exe = c.compile(su.sgd_module(name="streamed")).executable_id
+        before = c.counters()
+        for _ in range(5):
+            check_sgd(c, exe)
+        assert c._stream is not None and not c._stream.dead and c._stream.calls == 5
+        with pytest.raises(errors.InvalidArgumentError, match="expected 3 parameters, received 2"):
+            c.execute(exe, [X, Y])
+        assert c._stream is None  # the error ended it, with the call's status
+        check_sgd(c, exe)  # on a new stream
+        after = c.counters()
+        assert after["rpcs.ExecuteStream"] - before.get("rpcs.ExecuteStream", 0) == 2
+        assert after["rpcs.Execute"] - before.get("rpcs.Execute", 0) == 7  # each call counted
+        assert after["execute_streams_open"] >= 1
+    with grpc.insecure_channel(device_server) as channel:  # bad input on a stream
+        stream = channel.stream_stream("/tf_ipu.device.DeviceService/ExecuteStream")
+        with pytest.raises(grpc.RpcError) as info:
+            next(stream(iter([b"\x0a\xff\xff\xff\xff\x0f"]), timeout=5))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not a valid ExecuteRequest" in info.value.details()
+        assert ("tf-ipu-error-kind", "undecodable-request") in info.value.trailing_metadata()
+
+
+def test_execute_streams_are_bounded_idle_ones_close_and_refused_calls_go_unary(monkeypatch):
+    monkeypatch.setattr("tf_ipu.client.STREAM_IDLE_SECONDS", 1.5)
+    handle = serve(config=ServiceConfig(num_ipus=3), max_workers=4)  # 2 streams at most
+    try:
+        clients = [attached(handle.address) for _ in range(3)]
+        programs = [c.compile(su.sgd_module(name="bounded")).executable_id for c in clients]
+        for c, exe in zip(clients, programs, strict=True):
+            check_sgd(c, exe)
+        values = clients[0].counters()
+        assert values["execute_streams_open"] == 2
+        assert values["error_kinds.too-many-streams"] == 1
+        assert clients[2]._stream is None and clients[2]._streams_off_until > time.monotonic()
+        check_sgd(clients[2], programs[2])  # unary, without asking again
+        assert clients[0].counters()["error_kinds.too-many-streams"] == 1
+        # Idle streams are closed by their clients: the server's threads are free again.
+        wait_until(lambda: clients[0].counters()["execute_streams_open"] == 0, 5, "idle close")
+        check_sgd(clients[0], programs[0])  # a new stream
+        for c in clients:
+            c.close()
+        wait_until(lambda: handle.service.counter_values()["execute_streams_open"] == 0, 5,
+                   "streams end with their clients")
+    finally:
+        handle.stop(grace=1.0)
+
+
+def test_execute_stream_call_without_an_answer_meets_its_deadline():
+    """The client's watchdog ends a stream whose call gets no answer in time (here from a
+    server that never answers)."""
+    release = threading.Event()
+
+    def never(requests, context):
+        for _ in requests:
+            release.wait(30)
+            yield device_pb2.ExecuteReply()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "tf_ipu.device.DeviceService", {"ExecuteStream": grpc.stream_stream_rpc_method_handler(
+            never, request_deserializer=device_pb2.ExecuteRequest.FromString,
+            response_serializer=device_pb2.ExecuteReply.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    c = DeviceClient(f"127.0.0.1:{port}")
+    try:
+        c._reachable = True  # (it has no health service, nor sessions)
+        c._session = SessionInfo("0" * 32, "", "", 1, 1, 1 << 30, 5.0)
+        start = time.monotonic()
+        with pytest.raises(errors.DeadlineExceededError, match=r"no answer within 0\.5 s"):
+            c.execute("x", [], timeout=0.5)
+        assert 0.4 < time.monotonic() - start < 3
+        assert c._stream is None
+    finally:
+        release.set()
+        c.abandon()
+        server.stop(0)
 
 
 # -- bad input and limits ----------------------------------------------------------------------

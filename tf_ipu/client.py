@@ -2,6 +2,7 @@
 
     tf_ipu.runtime -> DeviceClient (this module) ==gRPC==> device_server.service.DeviceService
                       |- one session, its lease kept by a heartbeat thread
+                      |- Execute calls over one ExecuteStream (no call set-up each time)
                       '- numpy arrays <-> wire Tensors (raw bytes + dtype + dims; no pickle)
 
 Every call has a deadline; a server that cannot be reached raises ``DeviceUnavailableError``
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,12 +40,14 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from device_server.protocol import device_pb2, device_pb2_grpc, dtypes, ir_pb2
+from device_server.protocol.chunks import parse_chunk, receive_window_options
 from tf_ipu import errors
 from tf_ipu.transport import DataPath
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+_SERVICE = device_pb2.DESCRIPTOR.services_by_name["DeviceService"].full_name
 ERROR_KIND_METADATA = "tf-ipu-error-kind"
 TOKEN_ENV = "TF_IPU_SERVER_TOKEN"
 _GRPC_INT_MAX = (1 << 31) - 1
@@ -125,6 +130,7 @@ class SessionInfo:
     lease_seconds: float
     max_session_bytes: int = 0  # 0: no limit
     unix_socket: str = ""       # where the server also listens, for clients on its machine
+    system: str = ""            # the named system it hosts ("" for a plain count of IPUs)
 
 
 @dataclass(frozen=True)
@@ -142,9 +148,96 @@ class _Heartbeat:
     stop: threading.Event = field(default_factory=threading.Event)
 
 
+#: Seconds an ExecuteStream may stay idle before the client closes it: an idle client holds
+#: none of the server's worker threads (and a server shutting down waits for none).
+STREAM_IDLE_SECONDS = 2.0
+#: Seconds to use Execute after the server refused a stream (it served as many as it may).
+STREAM_REFUSED_SECONDS = 10.0
+
+
+class _ExecuteStream:
+    """Execute calls over one ExecuteStream (device.proto), one at a time.
+
+        call(request) -> queue -> gRPC's sending thread ==stream==> server: each request
+        answered in order -> next(replies) -> call returns the reply
+
+    A call costs no call set-up (~0.1 ms on loopback). A watchdog thread cancels the stream
+    when a call's deadline passes (``timed_out``) and closes it after ``STREAM_IDLE_SECONDS``
+    without calls. A stream that failed, timed out, was interrupted or closed is ``dead``: the
+    client opens another for its next call.
+    """
+
+    def __init__(self, method: Any, metadata: Any) -> None:
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.replies = method(iter(self._requests.get, None), metadata=metadata)
+        self.lock = threading.Lock()  # held by the call in flight (``DeviceClient``)
+        self.calls = 0
+        self.dead = False
+        self.timed_out = False
+        self._state = threading.Lock()
+        self._changed = threading.Condition(self._state)
+        self._deadline: float | None = None  # of the call in flight (time.monotonic())
+        self._wake_at = math.inf  # when the watchdog looks next
+        self._last_used = time.monotonic()
+        threading.Thread(target=self._watch, name="tf-ipu-execute-stream", daemon=True).start()
+
+    def call(self, request: Any, timeout: float) -> Any | None:
+        """Sends ``request`` and returns its reply; None if the stream is dead already
+        (nothing was sent). Raises what the stream raises: ``grpc.RpcError`` with the call's
+        status, ``StopIteration`` if the server ended the stream without an answer."""
+        deadline = time.monotonic() + timeout
+        with self._state:
+            if self.dead:
+                return None
+            self._deadline = deadline
+            if deadline < self._wake_at:
+                self._changed.notify()
+        self.calls += 1
+        try:
+            self._requests.put(request)
+            return next(self.replies)
+        finally:
+            self._last_used = time.monotonic()
+            with self._state:
+                self._deadline = None
+
+    def close(self, cancel: bool = False) -> None:
+        """Ends the stream: the server's handler returns (``cancel``: at once, stopping a
+        run in progress)."""
+        with self._state:
+            self.dead = True
+            self._changed.notify()
+        self._end(cancel)
+
+    def _end(self, cancel: bool) -> None:
+        self._requests.put(None)  # the end of the requests (and of gRPC's sending thread)
+        if cancel:
+            self.replies.cancel()
+
+    def _watch(self) -> None:
+        with self._state:
+            while not self.dead:
+                now = time.monotonic()
+                if self._deadline is not None:
+                    if now >= self._deadline:
+                        self.timed_out = self.dead = True
+                        break
+                    self._wake_at = self._deadline
+                elif now - self._last_used >= STREAM_IDLE_SECONDS:
+                    self.dead = True  # (under the lock: no call starts on it from now on)
+                    break
+                else:
+                    self._wake_at = self._last_used + STREAM_IDLE_SECONDS
+                self._changed.wait(self._wake_at - now)
+            else:
+                return  # closed by the client
+        self._end(cancel=self.timed_out)
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """gRPC channel options: message limits lifted to ``max_message_bytes`` (<= 0:
-    unlimited), and a quick reconnect after the server restarts."""
+    unlimited), a quick reconnect after the server restarts, and a receive window of two
+    chunks (``receive_window_options``)."""
     n = -1 if max_message_bytes <= 0 else min(int(max_message_bytes), _GRPC_INT_MAX)
     return [
         ("grpc.max_send_message_length", n),
@@ -152,6 +245,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.enable_retries", 0),
+        *receive_window_options(),  # replies' chunks: at most two in flight
     ]
 
 
@@ -242,6 +336,9 @@ class DeviceClient:
         # executable id -> (output specs, outputs that update a variable)
         self._outputs_of: dict[str, tuple[list[TensorSpec], set[int]]] = {}
         self._variable_specs: dict[str, TensorSpec] = {}    # key -> spec, as last written
+        self._stream: _ExecuteStream | None = None  # Execute calls go over it when they can
+        self._stream_lock = threading.Lock()
+        self._streams_off_until = 0.0  # time.monotonic() until which Execute is unary
 
     def __repr__(self) -> str:
         sid = self._session.session_id[:8] + ".." if self._session else None
@@ -321,19 +418,104 @@ class DeviceClient:
             with self._lock_running:
                 self._running -= 1
 
+    def _execute_call(self, request: device_pb2.ExecuteRequest, timeout: float) -> Any:
+        """Execute, on this client's ExecuteStream when it can (one thread at a time; the
+        server may refuse streams, an older one has none), else as a unary call."""
+        stream = self._execute_stream()
+        if stream is not None:
+            with self._lock_running:
+                self._running += 1
+            try:
+                request.timeout_seconds = timeout
+                reply = stream.call(request, timeout)
+            except grpc.RpcError as e:
+                self._drop_stream(stream)
+                kind = _error_kind(e)
+                if stream.calls == 1 and (e.code() == grpc.StatusCode.UNIMPLEMENTED
+                                          or kind == "too-many-streams"):
+                    # Not run: send it as a unary call; streams again after a while (or
+                    # never, from a server without them).
+                    self._streams_off_until = time.monotonic() + (
+                        STREAM_REFUSED_SECONDS if kind else math.inf)
+                    logger.debug("Execute without a stream on %s: %s", self.address,
+                                 e.details())
+                    reply = None
+                elif stream.timed_out:
+                    raise errors.from_status(
+                        "DEADLINE_EXCEEDED", f"Execute got no answer within {timeout:g} s",
+                        self.address) from None
+                elif self._closed:
+                    raise errors.FailedPreconditionError(
+                        "Execute: the client was closed under this call.", self.address) from None
+                else:
+                    raise self._error("Execute", e, timeout) from None
+            except StopIteration:
+                self._drop_stream(stream)
+                raise errors.InternalError(
+                    "Execute: the server ended the stream without an answer.",
+                    self.address) from None
+            except BaseException:  # e.g. KeyboardInterrupt: the reply would come unread
+                self._drop_stream(stream, cancel=True)
+                raise
+            finally:
+                stream.lock.release()
+                with self._lock_running:
+                    self._running -= 1
+            if reply is not None:
+                return reply
+        return self._call_stoppable("Execute", request, timeout)
+
+    def _execute_stream(self) -> _ExecuteStream | None:
+        """The stream for an Execute call, its ``lock`` taken; None when the call is to be
+        unary (streams refused, or another thread's call holds the stream)."""
+        if self._closed:
+            raise errors.FailedPreconditionError("Execute: the client is closed.", self.address)
+        if not self._reachable:
+            self._probe()
+        if self._streams_off_until and time.monotonic() < self._streams_off_until:
+            return None
+        with self._stream_lock:
+            stream = self._stream
+            if stream is not None and not stream.dead and stream.replies.done():
+                stream.close()  # it ended between calls (e.g. the server restarted)
+            if stream is None or stream.dead:
+                stream = self._stream = _ExecuteStream(self._stub.ExecuteStream, self._metadata)
+            if not stream.lock.acquire(blocking=False):
+                return None
+        if stream.dead:  # the watchdog closed it meanwhile (idle): a new one
+            stream.lock.release()
+            return self._execute_stream()
+        return stream
+
+    def _drop_stream(self, stream: _ExecuteStream | None = None, cancel: bool = False) -> None:
+        """Ends ``stream`` (by default the current one) and forgets it."""
+        with self._stream_lock:
+            if stream is None:
+                stream = self._stream
+            if self._stream is stream:
+                self._stream = None
+        if stream is not None:
+            stream.close(cancel)
+
     def _call_stream_in(self, method: str, chunks: Any) -> Any:
-        """A client-streaming call (PutBlob), with ``run_timeout``."""
+        """A client-streaming call (PutBlob), with ``run_timeout``: ``chunks`` are its
+        messages serialized already (``device_server.protocol.chunks.serialize_chunk``)."""
+        call = self._channel.stream_unary(
+            f"/{_SERVICE}/{method}", request_serializer=None,
+            response_deserializer=device_pb2.BlobRef.FromString)
         try:
-            return getattr(self._stub, method)(chunks, timeout=self.run_timeout,
-                                               metadata=self._metadata)
+            return call(chunks, timeout=self.run_timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._error(method, e, self.run_timeout) from None
 
     def _call_stream_out(self, method: str, request: Any) -> Any:
-        """A server-streaming call (GetBlob): yields its messages."""
+        """A server-streaming call (GetBlob): yields its messages, parsed by ``parse_chunk``
+        (their data fields are views of the bytes received, not copies)."""
+        call = self._channel.unary_stream(
+            f"/{_SERVICE}/{method}", request_serializer=type(request).SerializeToString,
+            response_deserializer=parse_chunk)
         try:
-            yield from getattr(self._stub, method)(request, timeout=self.run_timeout,
-                                                   metadata=self._metadata)
+            yield from call(request, timeout=self.run_timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._error(method, e, self.run_timeout) from None
 
@@ -460,6 +642,7 @@ class DeviceClient:
                 lease_seconds=reply.lease_seconds,
                 max_session_bytes=reply.max_session_bytes,
                 unix_socket=reply.unix_socket,
+                system=reply.system,
             )
             self._start_heartbeat(reply.session_id, reply.lease_seconds)
             logger.debug("opened session %s on %s", reply.session_id, self.address)
@@ -479,14 +662,16 @@ class DeviceClient:
         ipu_version: str = "",
         tiles_per_ipu: int = 0,
         wait_seconds: float = 0.0,
+        ipu_ids: Sequence[int] = (),
     ) -> Attachment:
         """Attaches IPUs to the session, exclusively.
 
         Args:
-            num_ipus: how many.
+            num_ipus: how many (ignored when ``ipu_ids`` is given).
             ipu_version: ``"ipu1"``, ``"ipu2"``, ``"bow"``; ``""`` for the server's default.
             tiles_per_ipu: 0 for the version's full tile count.
             wait_seconds: how long the server may wait for enough IPUs to become free.
+            ipu_ids: exactly these IPUs of the server (``IPUConfig.select_ipus``).
 
         Returns:
             An ``Attachment`` (ids, canonical version, tiles per IPU).
@@ -498,8 +683,9 @@ class DeviceClient:
         reply = self._call(
             "AttachIpus",
             device_pb2.AttachIpusRequest(
-                session_id=self.session_id, num_ipus=num_ipus, ipu_version=ipu_version,
-                tiles_per_ipu=tiles_per_ipu, wait_seconds=wait_seconds,
+                session_id=self.session_id, num_ipus=0 if ipu_ids else num_ipus,
+                ipu_version=ipu_version, tiles_per_ipu=tiles_per_ipu,
+                wait_seconds=wait_seconds, ipu_ids=list(ipu_ids),
             ),
             self.timeout + max(0.0, wait_seconds),
         )
@@ -518,6 +704,7 @@ class DeviceClient:
             if self._closed:
                 return
             self._stop_heartbeat()
+            self._drop_stream()  # its handler on the server returns
             if self._session is not None:
                 try:
                     self._stub.CloseSession(
@@ -543,6 +730,7 @@ class DeviceClient:
             if self._heartbeat is not None:
                 self._heartbeat.stop.set()  # not joined: it may be inside a call
                 self._heartbeat = None
+            self._drop_stream(cancel=True)
             self._session = None
             self._attachment = None
             self._closed = True
@@ -564,6 +752,7 @@ class DeviceClient:
                          e.code().name)
             channel.close()
             return
+        self._drop_stream()  # (none yet, normally) streams open on the new channel
         self._tcp_channel, self._channel = self._channel, channel
         self._stub = stub
         self.data.control = "gRPC over Unix socket"
@@ -753,32 +942,34 @@ class DeviceClient:
             DeadlineExceededError: the run deadline (or the call's) passed; the message says
                 after how many steps of its device loop the run stopped.
         """
-        request = device_pb2.ExecuteRequest(
-            session_id=self.session_id,
-            executable_id=executable_id,
-            return_updated_variables=return_updated_variables,
-            run_deadline_seconds=max(0.0, float(run_deadline)),
-        )
+        # One call per step, or more often: the per-call work below is kept small (the
+        # latency of a small call is within 1.3x a bare gRPC echo, bench/bench_transport.py).
+        request = device_pb2.ExecuteRequest(session_id=self.session_id,
+                                            executable_id=executable_id)
+        if return_updated_variables:
+            request.return_updated_variables = True
+        if run_deadline > 0:
+            request.run_deadline_seconds = float(run_deadline)
         with self.data.call() as call:
+            parameters = request.parameters
             for number, b in enumerate(bindings):
                 if isinstance(b, VariableRef):
-                    request.parameters.add(variable_key=b.key)
+                    parameters.add(variable_key=b.key)
                 else:
-                    call.encode(request.parameters.add().value, b, f"parameter {number}")
-            specs, aliased = self._outputs_of.get(executable_id, ([], set()))
+                    call.encode(parameters.add().value, b, f"parameter {number}")
+            specs, aliased = self._outputs_of.get(executable_id, _NO_OUTPUTS)
             for i, spec in enumerate(specs):
                 if i in aliased and not return_updated_variables:
                     continue  # stays on the device
                 region = call.output_region(spec.dtype, spec.shape)
                 if region is not None:
                     request.output_regions[i].CopyFrom(region)
-            reply = self._call_stoppable(
-                "Execute", request, self.run_timeout if timeout is None else timeout)
+            reply = self._execute_call(request, self.run_timeout if timeout is None else timeout)
             self.last_device_seconds = reply.device_seconds
             self.last_outfeeds = {
                 o.feed: (int(o.count), [call.decode(t, f"outfeed {o.feed!r}") for t in o.values])
                 for o in reply.outfeeds
-            }
+            } if len(reply.outfeeds) else {}
             outputs: list[np.ndarray | None] = []
             for i, t in enumerate(reply.outputs):
                 if t.WhichOneof("payload") is None and _count(t.dims):
@@ -812,6 +1003,21 @@ class DeviceClient:
     def prometheus_text(self) -> str:
         """The server's counters in the Prometheus text format."""
         return self._call("GetCounters", device_pb2.Empty()).prometheus_text
+
+
+#: ``_outputs_of`` of an executable this client did not compile.
+_NO_OUTPUTS: tuple[list[TensorSpec], frozenset[int]] = ([], frozenset())
+
+
+def _error_kind(e: grpc.RpcError) -> str:
+    """The ``tf-ipu-error-kind`` trailing metadata of a failed call ("" if none)."""
+    try:
+        for k, v in e.trailing_metadata() or ():
+            if k == ERROR_KIND_METADATA:
+                return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # no metadata on locally generated errors
+        pass
+    return ""
 
 
 def _count(dims: Iterable[int]) -> int:

@@ -39,6 +39,7 @@ import atexit
 import hashlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -50,7 +51,7 @@ import numpy as np
 from device_server.protocol import ir_pb2
 from tf_ipu import errors, interrupt
 from tf_ipu.client import DeviceClient, VariableRef
-from tf_ipu.config import IPU_VERSIONS
+from tf_ipu.config import IPU_VERSIONS, DeviceConnectionType
 from tf_ipu.residency import Residency
 
 _log = logging.getLogger("tf_ipu")
@@ -112,6 +113,26 @@ class CompileReport:
         return save_html(self, path)
 
 
+def local_server_args(cfg: Any) -> list[str]:
+    """Command line arguments of the embedded device server for configuration ``cfg``:
+    ``--system`` when ``cfg.system`` names one, and ``--executable-cache-path`` when
+    ``cfg.resolved_executable_cache_path`` (the IPUConfig field, else
+    ``--executable_cache_path`` of ``$TF_POPLAR_FLAGS``) names a folder."""
+    args = ["--system", cfg.system] if getattr(cfg, "system", "") else []
+    path = getattr(cfg, "resolved_executable_cache_path", "") if cfg is not None else ""
+    if path:
+        args += ["--executable-cache-path", os.path.abspath(os.path.expanduser(path))]
+    return args
+
+
+def _flag(args: list[str], name: str, absent: str) -> str:
+    return args[args.index(name) + 1] if name in args else absent
+
+
+def _cache_folder(args: list[str]) -> str:
+    return _flag(args, "--executable-cache-path", "none")
+
+
 class DeviceRuntime:
     """Process-wide connection to the device server (see module docstring)."""
 
@@ -119,10 +140,13 @@ class DeviceRuntime:
         self._lock = threading.RLock()
         self._client: DeviceClient | None = None
         self._local_server: Any = None
+        self._local_server_args: list[str] = []  # what the embedded server was started with
+        self._told_args: list[list[str]] = []  # other arguments a configuration asked for
         self._config_key: tuple | None = None
         self._config: Any = None
         self._programs: list[ProgramEntry] = []
         self._by_digest: dict[str, int] = {}
+        self._refs: dict[str, VariableRef] = {}  # variable key -> its binding, made once
         self.residency = Residency()
         self.reports: list[CompileReport] = []
         self.device_calls = 0
@@ -174,6 +198,8 @@ class DeviceRuntime:
             key = (
                 address,
                 cfg.auto_select_ipus,
+                tuple(cfg.select_ipus),
+                cfg.system,
                 cfg.ipu_version,
                 cfg.ipu_model.tiles_per_ipu,
                 tuple(cfg.debug.refuse_opcodes),
@@ -188,7 +214,7 @@ class DeviceRuntime:
                 self._config = cfg
                 return
             if address is None:
-                address = self._ensure_local_server()
+                address = self._ensure_local_server(cfg)
             if self._client is not None and self._client.address == address:
                 self._disconnect()  # release this server's IPUs before attaching again
             try:
@@ -201,10 +227,18 @@ class DeviceRuntime:
             try:
                 client.wait_for_server(cfg.connect_timeout)
                 client.open_session()
+                hosted = client.session.system
+                if cfg.system and hosted != cfg.system:
+                    raise errors.FailedPreconditionError(
+                        f"IPUConfig.system is {cfg.system!r} but the device server at "
+                        f"{address} hosts {hosted or f'{client.session.num_ipus} IPUs'!r}: "
+                        f"start it with --system {cfg.system}, or leave IPUConfig.system "
+                        f"'' to use its IPUs.", address)
                 client.attach(
                     cfg.auto_select_ipus,
                     cfg.ipu_version,
                     cfg.ipu_model.tiles_per_ipu or default_tiles(cfg.ipu_version),
+                    ipu_ids=cfg.select_ipus,
                 )
             except BaseException:
                 client.close()
@@ -286,12 +320,34 @@ class DeviceRuntime:
                     raise raised from None
         raise AssertionError("unreachable")
 
-    def _ensure_local_server(self) -> str:
+    def _ensure_local_server(self, cfg: Any = None) -> str:
+        """The address of the embedded server, started now if it does not run (with the
+        disk cache folder of ``cfg``, see ``local_server_args``). A running one keeps the
+        folder it was started with: a later configuration asking for another one is told
+        so (once) and shares the running server's."""
         from tf_ipu.local_server import start_local_server
 
+        args = local_server_args(cfg)
+        if (self._local_server is not None and self._local_server.alive()
+                and _flag(args, "--system", "") != _flag(self._local_server_args, "--system", "")):
+            # Another system: other IPUs. Read back what only the device holds, then restart.
+            _log.info("tf_ipu: restarting the embedded device server with system %s",
+                      _flag(args, "--system", "(16 IPUs of any version)"))
+            self._disconnect()
+            self._local_server.stop()
+            self._local_server = None
         if self._local_server is not None and self._local_server.alive():
+            if args != self._local_server_args and args not in self._told_args:
+                self._told_args.append(args)
+                _log.warning(
+                    "tf_ipu: the embedded device server keeps the executable cache folder it "
+                    "was started with (%s); IPUConfig.executable_cache_path (or "
+                    "TF_POPLAR_FLAGS) now says %s, which takes effect when it next starts "
+                    "(tf_ipu.get_runtime().shutdown(), then configure again).",
+                    _cache_folder(self._local_server_args), _cache_folder(args))
             return self._local_server.address
-        self._local_server = start_local_server(num_ipus=16, ipu_version="ipu2")
+        self._local_server = start_local_server(num_ipus=16, ipu_version="ipu2", extra_args=args)
+        self._local_server_args = args
         # atexit runs last-registered first: close the session (and its heartbeat) before
         # the local server, registered by start_local_server, is stopped.
         atexit.register(self.shutdown)
@@ -429,7 +485,7 @@ class DeviceRuntime:
                     f"has {len(entry.params)} parameters."
                 )
             start = time.perf_counter()
-            if threading.current_thread() is threading.main_thread():
+            if threading.get_ident() == _MAIN_THREAD:
                 interrupt.install()  # in case the wakeup fd was replaced since
             self._in_flight += 1
             try:
@@ -463,17 +519,16 @@ class DeviceRuntime:
                     )
             for k, dims in zip(entry.dynamic_outputs, outputs[len(results):], strict=True):
                 dims[...] = results[k].shape
-            self._stats["calls"] += 1
-            self._stats["client_seconds"] += time.perf_counter() - start
-            self._stats["device_seconds"] += self.client.last_device_seconds
+            stats = self._stats
+            stats["calls"] += 1
+            stats["client_seconds"] += time.perf_counter() - start
+            stats["device_seconds"] += self.client.last_device_seconds
 
     def _answer_without_device(self, entry: ProgramEntry, outputs: list[np.ndarray]) -> bool:
         """``device_connection.type`` PRE_COMPILE: compile, answer zeros (True); NEVER: an
         error; otherwise False (the call goes to the device)."""
-        from tf_ipu.config import DeviceConnectionType
-
         kind = self._config.device_connection.type if self._config is not None else None
-        if kind not in (DeviceConnectionType.PRE_COMPILE, DeviceConnectionType.NEVER):
+        if kind not in _WITHOUT_DEVICE:
             return False
         self._on_device(lambda: self._compile_entry(entry))
         if kind is DeviceConnectionType.NEVER:
@@ -509,19 +564,23 @@ class DeviceRuntime:
                 states[number] = st
                 if res.needs_upload(st, value):
                     writes[st.key] = np.array(value, copy=True)
-                bindings.append(VariableRef(st.key))
+                ref = self._refs.get(st.key)
+                if ref is None:
+                    ref = self._refs[st.key] = VariableRef(st.key)
+                bindings.append(ref)
             else:
                 bindings.append(value)
         # Watched variables the traced call assigns on the host need their new values back.
         want_back = any(
             states[p].watched for p in entry.aliases.values() if p in states
         )
+        client = self.client
         try:
             if writes:
-                self.client.write_variables(writes)
+                client.write_variables(writes)
                 for key, value in writes.items():
                     res.uploaded(res.states[key], value)
-            results = self.client.execute(
+            results = client.execute(
                 entry.executable_id, bindings, return_updated_variables=want_back,
                 run_deadline=self._config.run_deadline if self._config is not None else 0.0,
             )
@@ -544,10 +603,10 @@ class DeviceRuntime:
             st = states.get(param_index)
             if st is not None:
                 res.device_updated(st, results[out_index] if st.watched else None)
-        if self.client.last_outfeeds:
+        if client.last_outfeeds:
             from tf_ipu import feeds
 
-            feeds.deliver(self.client.last_outfeeds)
+            feeds.deliver(client.last_outfeeds)
         return results
 
     # -- variables: host copies on demand ----------------------------------------------------
@@ -708,6 +767,12 @@ def _fill_corner(out: np.ndarray, value: np.ndarray, dynamic: tuple[bool, ...], 
     out[...] = 0
     out[tuple(slice(0, v) for v in value.shape)] = value
 
+
+#: The main thread's ident (Ctrl-C reaches a device call made on it, ``tf_ipu.interrupt``).
+_MAIN_THREAD = threading.main_thread().ident
+
+#: ``device_connection.type`` values whose calls are answered without the device.
+_WITHOUT_DEVICE = frozenset({DeviceConnectionType.PRE_COMPILE, DeviceConnectionType.NEVER})
 
 #: Error kinds of a call the device stopped at a step boundary (or before it began); the
 #: server stops a run whose client cancelled or whose deadline passed the same way.

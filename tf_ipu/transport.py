@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from device_server.protocol import device_pb2, dtypes, shm
+from device_server.protocol.chunks import CHUNK_BYTES as _WIRE_CHUNK_BYTES
+from device_server.protocol.chunks import serialize_chunk
 from tf_ipu import errors
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ SHM_MIN_BYTES = 32 << 10
 #: The first segment's size; it grows to fit what a call needs.
 INITIAL_SEGMENT_BYTES = 16 << 20
 #: Bytes of one chunk of a streamed blob (at most a quarter of the message limit).
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = _WIRE_CHUNK_BYTES
 #: A tensor larger than this goes as a blob even if it would fit in the message: chunks move
 #: faster than one big message (which also holds up the heartbeats queued behind it).
 INLINE_MAX_BYTES = 4 << 20
@@ -228,15 +230,14 @@ class DataPath:
             first.dtype = dtypes.from_numpy(a.dtype)
             first.dims.extend(a.shape)
 
-        def chunks() -> Iterator[device_pb2.BlobChunk]:
-            first.data = flat[:chunk].tobytes()
-            yield first
+        def chunks() -> Iterator[bytes]:  # each message made in one copy of its chunk
+            yield serialize_chunk(first, flat[:chunk])
             for offset in range(chunk, total, chunk):
-                yield device_pb2.BlobChunk(data=flat[offset:offset + chunk].tobytes())
+                yield serialize_chunk(None, flat[offset:offset + chunk])
 
         reply = self.client._call_stream_in("PutBlob", chunks())
         self._count("stream_bytes_out", total)
-        # A chunk's bytes, and gRPC's serialized copy of the message holding them.
+        # A message's bytes, and gRPC's copy of them.
         self._peak("stream_peak_bytes_held", 2 * min(chunk, total))
         return reply.blob_id
 
@@ -248,13 +249,14 @@ class DataPath:
         request = device_pb2.GetBlobRequest(session_id=self.client.session_id, blob_id=blob_id,
                                             chunk_bytes=self.chunk_bytes())
         for chunk in self.client._call_stream_out("GetBlob", request):
-            n = len(chunk.data)
+            data = chunk.data  # a view of the message's bytes: read once
+            n = len(data)
             if offset + n > flat.nbytes:
                 raise errors.InternalError(
                     f"GetBlob: the server sent more than the {flat.nbytes} bytes of "
                     f"{dtypes.dtype_name(dtypes.from_numpy(out.dtype))}{list(shape)}.",
                     self.client.address)
-            flat[offset:offset + n] = np.frombuffer(chunk.data, np.uint8)
+            flat[offset:offset + n] = np.frombuffer(data, np.uint8)
             offset += n
             held = max(held, n)
         if offset != flat.nbytes:
@@ -271,7 +273,8 @@ class Call:
 
     def __init__(self, path: DataPath) -> None:
         self.path = path
-        limit = path.client.session.max_message_bytes if path.client.session else 0
+        session = path.client.session
+        limit = session.max_message_bytes if session is not None else 0
         self.budget = (limit if limit > 0 else 1 << 30) // 2
         self._regions: list[tuple[int, int]] = []
         self.started_after = path._quarantined_count()
@@ -297,6 +300,16 @@ class Call:
         """Fills a request's ``tensor`` with ``value``: a region, inline bytes or a blob
         (``inline_only``: never a blob; too big for the message is an error then)."""
         a = np.asarray(value, order="C")
+        nbytes = int(a.nbytes)
+        if nbytes < SHM_MIN_BYTES and nbytes <= self.budget:
+            # The usual small tensor: inline bytes, without looking for a region.
+            try:
+                dtypes.fill_tensor(tensor, a)
+            except ValueError as e:  # DTypeError: no wire type for this dtype
+                raise errors.InvalidArgumentError(f"{what}: {e}") from None
+            self.budget -= nbytes
+            self.path._count("inline_bytes_out", nbytes)
+            return
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         try:
@@ -334,6 +347,8 @@ class Call:
         if self.path.kind != "shm":
             return None
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if nbytes < SHM_MIN_BYTES:
+            return None  # inline costs less
         place = self.path._alloc(nbytes)
         if place is None:
             return None

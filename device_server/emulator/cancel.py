@@ -133,12 +133,23 @@ def current() -> StopToken | None:
     return getattr(_current, "token", None)
 
 
-@contextmanager
-def running(token: StopToken | None) -> Iterator[None]:
-    """Makes ``token`` this thread's run's token for the block."""
-    previous = current()
-    _current.token = token
-    try:
-        yield
-    finally:
-        _current.token = previous
+def running(token: StopToken | None) -> _Running:
+    """Makes ``token`` this thread's run's token for the block (``with running(token):``)."""
+    return _Running(token)
+
+
+class _Running:
+    """``running``'s block (a class, not a generator: it is on the path of every run)."""
+
+    __slots__ = ("_token", "_previous")
+
+    def __init__(self, token: StopToken | None) -> None:
+        self._token = token
+        self._previous: StopToken | None = None
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_current, "token", None)
+        _current.token = self._token
+
+    def __exit__(self, *exc: object) -> None:
+        _current.token = self._previous

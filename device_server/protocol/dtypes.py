@@ -65,9 +65,12 @@ def fill_tensor(tensor: device_pb2.Tensor, array: Any, with_data: bool = True) -
     device). The one encoder of the protocol: the client and the server both use it.
     Raises ``DTypeError`` for a dtype the wire does not have."""
     a = np.asarray(array, order="C")
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
-    tensor.dtype = from_numpy(a.dtype)
+    dt = a.dtype
+    if dt.byteorder == ">":
+        a = a.astype(dt.newbyteorder("<"))
+        dt = a.dtype
+    code = _FROM_NUMPY.get(dt)
+    tensor.dtype = from_numpy(dt) if code is None else code
     tensor.dims.extend(a.shape)
     if with_data:
         tensor.data = a.tobytes()
@@ -82,17 +85,21 @@ def to_tensor(array: np.ndarray) -> device_pb2.Tensor:
 
 def from_tensor(tensor: device_pb2.Tensor, *, what: str = "tensor") -> np.ndarray:
     """Unpacks a wire ``Tensor``; raises ``ValueError`` naming ``what`` if its size is off."""
-    dt = to_numpy(tensor.dtype)
-    dims = tuple(int(d) for d in tensor.dims)
-    if any(d < 0 for d in dims):
+    dt = _TO_NUMPY.get(tensor.dtype)
+    if dt is None:
+        dt = to_numpy(tensor.dtype)  # raises DTypeError
+    dims = tuple(tensor.dims)  # Python ints already
+    if dims and min(dims) < 0:
         raise ValueError(f"{what}: negative dimension in dims={list(dims)}.")
     count = 1
     for d in dims:
         count *= d
     expected = count * dt.itemsize
-    if len(tensor.data) != expected:
+    data = tensor.data  # each read of a bytes field is a copy: read it once
+    if len(data) != expected:
         raise ValueError(
             f"{what}: {dtype_name(tensor.dtype)}{list(dims)} needs {expected} bytes, "
-            f"received {len(tensor.data)}."
+            f"received {len(data)}."
         )
-    return np.frombuffer(tensor.data, dtype=dt).reshape(dims)
+    a = np.frombuffer(data, dtype=dt)
+    return a if len(dims) == 1 else a.reshape(dims)
