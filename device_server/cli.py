@@ -1,6 +1,7 @@
 """Command line of the device server: ``python -m device_server`` or ``device_server``.
 
     python -m device_server --port 0 --port-file /tmp/port --ipus 4 --ipu-version ipu2
+    python -m device_server --system dss8440      # the launch article's 16 GC2 IPUs
 
 Runs until SIGTERM/SIGINT, or until the ``--parent-pid`` process is gone (the embedded
 default, ``tf_ipu.local_server``, passes its own pid so that the server never outlives it).
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Sequence
 
 from device_server import __version__
+from device_server.protocol import hardware
 from device_server.server import DEFAULT_MAX_MESSAGE_BYTES, serve
 from device_server.service import ServiceConfig
 
@@ -48,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", default="",
                    help="write the bound port to this file (atomically) once serving")
     p.add_argument("--ipus", type=int, default=1, help="number of IPUs hosted (default 1)")
+    p.add_argument("--system", default="", choices=["", *sorted(hardware.SYSTEMS)],
+                   metavar="NAME",
+                   help="host a named system instead of --ipus/--ipu-version: "
+                        + ", ".join(f"{s.name} ({s.description})"
+                                    for s in hardware.SYSTEMS.values()))
     p.add_argument("--ipu-version", default="ipu2",
                    help="default architecture: ipu1, ipu2 or bow (default ipu2)")
     p.add_argument("--parent-pid", type=int, default=0,
@@ -65,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-entries", type=int, default=_DEFAULTS.cache_entries,
                    help=f"executables kept in the server's cache (default "
                         f"{_DEFAULTS.cache_entries})")
+    p.add_argument("--executable-cache-path", "--executable_cache_path",
+                   dest="executable_cache_path", default="", metavar="DIR",
+                   help="keep compiled programs in this folder (made with mode 0700 if absent) "
+                        "across restarts; several servers may share it (default: none)")
+    p.add_argument("--executable-cache-bytes", type=int,
+                   default=_DEFAULTS.executable_cache_bytes, metavar="N",
+                   help="bound of --executable-cache-path's entries in bytes; the least "
+                        f"recently used go first (default {_DEFAULTS.executable_cache_bytes})")
     p.add_argument("--max-session-bytes", type=int, default=_DEFAULTS.max_session_bytes,
                    help="bytes of resident variables one session may hold, and the largest "
                         "array a program may make; 0 for no limit (default "
@@ -242,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"device_server: --parent-pid {args.parent_pid} is not running", file=sys.stderr)
         return 2
     config = ServiceConfig(
+        system=args.system,
         num_ipus=args.ipus,
         ipu_version=args.ipu_version,
         lease_seconds=args.lease_seconds,
@@ -252,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_session_bytes=args.max_session_bytes,
         request_deadline_seconds=args.request_deadline,
         max_waiting_calls=args.max_waiting_calls,
+        executable_cache_path=args.executable_cache_path,
+        executable_cache_bytes=args.executable_cache_bytes,
     )
     try:
         if bool(args.tls_cert) != bool(args.tls_key):

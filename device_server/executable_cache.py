@@ -8,6 +8,11 @@ cache entries (see ``sessions.ExecutableHandle``), so knowing a hash grants noth
 The cache is bounded (entries, least recently used out first). Two sessions that compile the
 same program at the same time compile it once: the second waits for the first.
 Compile failures are not cached.
+
+This cache lives in the server's memory. Below it, with ``--executable-cache-path``, the
+server keeps what compiling produced in a folder under the same keys, across restarts: the
+``build`` function the service hands to ``get_or_compile`` looks there before it compiles
+(``disk_cache.py``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ memory estimate.
     outputs = exe.run(arrays)      # flattened entry result; thread-safe
     exe.aliases                    # output index -> parameter number (updated variables)
     exe.estimate.to_dict()         # cycles, seconds, bytes per tile, fits, assumptions
+    record = exe.cache_record()    # plain JSON data: signature + estimate (the disk cache's)
+    again = executable_from_record(module, target, options, record)  # no planning; the
+                                   # program is generated from the module at the first run
 
 Targets (``arch.py``): "ipu1" (GC2), "ipu2" (GC200), "bow" (alias "ipu21"); a smaller
 ``tiles_per_ipu`` may be requested.
@@ -52,7 +55,12 @@ other states and ``rng`` are repeatable per seed but not XLA's bits.
 
 from device_server.emulator.arch import BOW, GC2, GC200, PRESETS, Target, get_target
 from device_server.emulator.cancel import RunStopped, StopToken
-from device_server.emulator.compiler import CompileOptions, Executable, compile_module
+from device_server.emulator.compiler import (
+    CompileOptions,
+    Executable,
+    compile_module,
+    executable_from_record,
+)
 from device_server.emulator.errors import (
     EmulatorError,
     ExecutionError,
@@ -82,6 +90,7 @@ __all__ = [
     "Target",
     "UnsupportedOpError",
     "compile_module",
+    "executable_from_record",
     "get_target",
     "layer_of",
 ]

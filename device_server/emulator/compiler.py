@@ -40,6 +40,7 @@ import importlib.util
 import keyword
 import math
 import re
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,7 @@ def _arity(opcode: str) -> int | None:
 _SAFE_WORDS = frozenset(keyword.kwlist) | {"run", "args", "e", "x", "Exception", "out", "d"}
 _GENERATED = re.compile(r"(p|v|u|k|s)[0-9]+|g[0-9]+_[A-Za-z0-9_]+|[0-9][A-Za-z0-9_]*")
 
-__all__ = ["CompileOptions", "Executable", "compile_module", "literal_to_value"]
+__all__ = ["CompileOptions", "Executable", "compile_module", "executable_from_record", "literal_to_value"]
 
 # Kernel modules. The spatial ones (conv, window, indexing) are written separately and may be
 # absent from a checkout; the rest are required.
@@ -1397,6 +1398,12 @@ class Executable:
     dimensions are dynamic (``shape`` then holds the bound; such an argument or output may be
     smaller there); ``aliases``: output index -> parameter number (the output is the
     parameter's new value); ``estimate``: the cost/memory estimate. ``run`` is thread-safe.
+
+    ``cache_record()`` describes it as plain JSON data (its signature, the estimate) for the
+    executable cache on disk; :func:`executable_from_record` makes it again from that record
+    and the module without planning it again. The Python program that runs it is never
+    stored: such an executable generates it from the module at its first run
+    (``ensure_program``).
     """
 
     def __init__(
@@ -1414,7 +1421,10 @@ class Executable:
         instruction_count: int,
         parameter_dynamic: list[tuple[bool, ...]] | None = None,
         output_dynamic: list[tuple[bool, ...]] | None = None,
+        build: Callable[[], Program] | None = None,
     ) -> None:
+        if (program is None) == (build is None):
+            raise ValueError("Executable needs either a program or a function that builds it.")
         self.name = module.name
         self.target = target
         self.options = options
@@ -1426,6 +1436,8 @@ class Executable:
         self.output_dynamic = output_dynamic or [(False,) * len(s) for _, s in outputs]
         self.instruction_count = instruction_count  # live instructions over all computations
         self._program = program
+        self._build = build  # makes the program at the first run (executable_from_record)
+        self._build_lock = threading.Lock()
         # Stochastic rounding: each run draws from its own stream (numerics.py).
         self._runner = options.numerics(target).runner(module) if options.esr else None
         self._param_names = param_names
@@ -1434,7 +1446,48 @@ class Executable:
     @property
     def step_count(self) -> int:
         """Steps the entry computation runs per call (after folding and forwarding)."""
-        return len(self._program.steps)
+        return len(self.ensure_program().steps)
+
+    @property
+    def program_ready(self) -> bool:
+        """Whether the program that runs it exists (False for an executable made from a
+        cache record until its first run or ``ensure_program``)."""
+        return self._program is not None
+
+    def ensure_program(self) -> Program:
+        """The program that runs it; made now (once, thread-safe) from the module for an
+        executable that ``executable_from_record`` made."""
+        program = self._program
+        if program is not None:
+            return program
+        with self._build_lock:
+            if self._program is None:
+                assert self._build is not None
+                self._program = self._build()
+                self._build = None  # lets the module go
+            return self._program
+
+    def cache_record(self) -> dict[str, Any]:
+        """What the executable cache on disk keeps of it: plain JSON data (no code, nothing
+        that runs), from which ``executable_from_record`` makes it again with the module.
+
+        Returns:
+            ``{"name", "parameters", "parameter_names", "outputs", "aliases",
+            "instruction_count", "estimate"}``; arrays are spelled ``float32[<=8,3]``.
+        """
+        estimate = dataclasses.asdict(self.estimate)
+        estimate["assumptions"] = list(self.estimate.assumptions)
+        return {
+            "name": self.name,
+            "parameters": [_spelling(dt, shape, dyn) for (dt, shape), dyn
+                           in zip(self.parameters, self.parameter_dynamic, strict=True)],
+            "parameter_names": list(self._param_names),
+            "outputs": [_spelling(dt, shape, dyn) for (dt, shape), dyn
+                        in zip(self.outputs, self.output_dynamic, strict=True)],
+            "aliases": [[o, p] for o, p in sorted(self.aliases.items())],
+            "instruction_count": self.instruction_count,
+            "estimate": estimate,
+        }
 
     def _check_args(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
         if len(args) != len(self.parameters):
@@ -1478,11 +1531,12 @@ class Executable:
                 if n in aliased and checked[n].flags.writeable and checked[n].flags.c_contiguous
                 and seen[id(checked[n])] == 1
             )
+        program = self.ensure_program()
         with np.errstate(all="ignore"), cancel.running(stop):
             if self._runner is None:
-                result = self._program(checked, give)
+                result = program(checked, give)
             else:
-                result = self._runner(lambda: self._program(checked, give))
+                result = self._runner(lambda: program(checked, give))
         flat = _flatten(result) if self._root_is_tuple else [result]
         outs = []
         for k, (value, (dt, shape)) in enumerate(zip(flat, self.outputs, strict=True)):
@@ -1516,57 +1570,141 @@ def compile_module(
     memory (unless ``options.allow_out_of_memory``); ``ValueError`` for a bad
     numerics option (``partials_type``).
     """
-    if not isinstance(options, CompileOptions):
-        raise TypeError(f"options must be CompileOptions, got {type(options).__name__}.")
-    options = dataclasses.replace(options, refuse_opcodes=frozenset(options.refuse_opcodes))
-    compiler = _Compiler(module, options, options.numerics(target))  # ValueError: bad option
-    entry = compiler.computation_ir(module.entry_computation_id)
-    compiler.check_supported(entry)
-    program = compiler.program(entry.id)
-
-    param_instrs = sorted(
-        (i for i in entry.instructions if i.opcode == "parameter"), key=lambda i: i.parameter_number
-    )
-    if [i.parameter_number for i in param_instrs] != list(range(len(param_instrs))):
-        raise InvalidProgramError(
-            f"module '{module.name}': entry parameter numbers are not 0..{len(param_instrs) - 1}."
-        )
-    parameters = []
-    for p in param_instrs:
-        dt, shape = _shape_of(p.shape)
-        if dt is None:
-            raise InvalidProgramError(f"module '{module.name}': entry {describe(p)} must be an array, not a tuple.")
-        parameters.append((dt, shape))
-
-    root = next(i for i in entry.instructions if i.id == entry.root_id)
-    outputs = []
-    for leaf in _leaves(root.shape):
-        dt, shape = _shape_of(leaf)
-        if dt is None:
-            raise InvalidProgramError(f"module '{module.name}': token outputs are not supported.")
-        outputs.append((dt, shape))
-    output_dynamic = [dynamic.dynamic_flags(leaf) for leaf in _leaves(root.shape)]
-    aliases: dict[int, int] = {}
-    for a in module.aliases:
-        o, p = int(a.output_index), int(a.parameter_number)
-        if not 0 <= o < len(outputs) or not 0 <= p < len(parameters):
-            raise InvalidProgramError(f"module '{module.name}': alias output {o} -> parameter {p} is out of range.")
-        if outputs[o] != parameters[p] or output_dynamic[o] != dynamic.dynamic_flags(param_instrs[p].shape):
-            raise InvalidProgramError(
-                f"module '{module.name}': output {o} ({_spelling(*outputs[o])}) cannot replace "
-                f"parameter {p} ({_spelling(*parameters[p])})."
-            )
-        aliases[o] = p
-
+    options = _checked_options(options)
+    compiler, program = _build_program(module, target, options)
+    sig = _Signature.of(module)
     est = estimate_module(module, compiler.live_instructions, target)
     if not est.fits and not options.allow_out_of_memory:
         raise OutOfMemoryError(est.oom_message())
     count = sum(len(v) for v in compiler.live.values())
     return Executable(
-        module, target, options, program, parameters, [p.name for p in param_instrs], outputs,
-        root.shape.is_tuple, aliases, est, count,
-        [dynamic.dynamic_flags(p.shape) for p in param_instrs], output_dynamic,
+        module, target, options, program, sig.parameters, sig.param_names, sig.outputs,
+        sig.root_is_tuple, sig.aliases, est, count, sig.parameter_dynamic, sig.output_dynamic,
     )
+
+
+def executable_from_record(
+    module: ir_pb2.Module, target: Target, options: CompileOptions, record: Any
+) -> Executable:
+    """The executable that ``compile_module(module, target, options)`` made when it wrote
+    ``record`` (``Executable.cache_record``), made again without planning the module: the
+    signature is read off the module (and must be the record's), the estimate is the
+    record's, and the program is generated from the module at the first run. The caller
+    must know the record belongs to this module, target and options (the disk cache's key
+    says so).
+
+    Raises:
+        ValueError: the record is malformed or does not describe this module and target.
+        InvalidProgramError: a malformed module (its entry's signature).
+    """
+    options = _checked_options(options)
+    if not isinstance(record, dict):
+        raise ValueError(f"the record must be a JSON object, not {type(record).__name__}")
+    sig = _Signature.of(module)
+    spelled = {
+        "name": module.name,
+        "parameters": [_spelling(dt, shape, dyn) for (dt, shape), dyn
+                       in zip(sig.parameters, sig.parameter_dynamic, strict=True)],
+        "parameter_names": sig.param_names,
+        "outputs": [_spelling(dt, shape, dyn) for (dt, shape), dyn
+                    in zip(sig.outputs, sig.output_dynamic, strict=True)],
+        "aliases": [[o, p] for o, p in sorted(sig.aliases.items())],
+    }
+    for name, value in spelled.items():
+        if record.get(name) != value:
+            raise ValueError(f"its {name!r} is not the module's ({str(record.get(name))[:80]} "
+                             f"vs {str(value)[:80]})")
+    count = record.get("instruction_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"'instruction_count' must be a count. Received: {count!r}")
+    est = Estimate.from_dict(record.get("estimate"))
+    if (est.ipu_version, est.tiles_per_ipu) != (target.ipu_version, target.tiles_per_ipu):
+        raise ValueError(f"its estimate is for {est.ipu_version} with {est.tiles_per_ipu} tiles, "
+                         f"not {target.ipu_version} with {target.tiles_per_ipu}")
+    if not est.fits and not options.allow_out_of_memory:
+        raise ValueError("its estimate does not fit, and the options do not allow that")
+
+    def build() -> Program:
+        return _build_program(module, target, options)[1]
+
+    return Executable(
+        module, target, options, None, sig.parameters, sig.param_names, sig.outputs,
+        sig.root_is_tuple, sig.aliases, est, count, sig.parameter_dynamic, sig.output_dynamic,
+        build=build,
+    )
+
+
+def _checked_options(options: CompileOptions) -> CompileOptions:
+    if not isinstance(options, CompileOptions):
+        raise TypeError(f"options must be CompileOptions, got {type(options).__name__}.")
+    return dataclasses.replace(options, refuse_opcodes=frozenset(options.refuse_opcodes))
+
+
+def _build_program(module: ir_pb2.Module, target: Target,
+                   options: CompileOptions) -> tuple[_Compiler, Program]:
+    """The entry computation's program (and the compiler that made it)."""
+    compiler = _Compiler(module, options, options.numerics(target))  # ValueError: bad option
+    entry = compiler.computation_ir(module.entry_computation_id)
+    compiler.check_supported(entry)
+    return compiler, compiler.program(entry.id)
+
+
+@dataclass
+class _Signature:
+    """The entry computation's parameters, outputs and aliases (checked)."""
+
+    parameters: list[tuple[np.dtype, tuple[int, ...]]]
+    param_names: list[str]
+    parameter_dynamic: list[tuple[bool, ...]]
+    outputs: list[tuple[np.dtype, tuple[int, ...]]]
+    output_dynamic: list[tuple[bool, ...]]
+    root_is_tuple: bool
+    aliases: dict[int, int]
+
+    @classmethod
+    def of(cls, module: ir_pb2.Module) -> _Signature:
+        entry = next((c for c in module.computations if c.id == module.entry_computation_id), None)
+        if entry is None:
+            raise InvalidProgramError(
+                f"module '{module.name}': computation {module.entry_computation_id} does not exist.")
+        param_instrs = sorted(
+            (i for i in entry.instructions if i.opcode == "parameter"), key=lambda i: i.parameter_number
+        )
+        if [i.parameter_number for i in param_instrs] != list(range(len(param_instrs))):
+            raise InvalidProgramError(
+                f"module '{module.name}': entry parameter numbers are not 0..{len(param_instrs) - 1}."
+            )
+        parameters = []
+        for p in param_instrs:
+            dt, shape = _shape_of(p.shape)
+            if dt is None:
+                raise InvalidProgramError(f"module '{module.name}': entry {describe(p)} must be an array, not a tuple.")
+            parameters.append((dt, shape))
+
+        root = next((i for i in entry.instructions if i.id == entry.root_id), None)
+        if root is None:
+            raise InvalidProgramError(f"computation '{entry.name}': root {entry.root_id} does not exist.")
+        outputs = []
+        for leaf in _leaves(root.shape):
+            dt, shape = _shape_of(leaf)
+            if dt is None:
+                raise InvalidProgramError(f"module '{module.name}': token outputs are not supported.")
+            outputs.append((dt, shape))
+        output_dynamic = [dynamic.dynamic_flags(leaf) for leaf in _leaves(root.shape)]
+        aliases: dict[int, int] = {}
+        for a in module.aliases:
+            o, p = int(a.output_index), int(a.parameter_number)
+            if not 0 <= o < len(outputs) or not 0 <= p < len(parameters):
+                raise InvalidProgramError(f"module '{module.name}': alias output {o} -> parameter {p} is out of range.")
+            if outputs[o] != parameters[p] or output_dynamic[o] != dynamic.dynamic_flags(param_instrs[p].shape):
+                raise InvalidProgramError(
+                    f"module '{module.name}': output {o} ({_spelling(*outputs[o])}) cannot replace "
+                    f"parameter {p} ({_spelling(*parameters[p])})."
+                )
+            aliases[o] = p
+        return cls(parameters, [p.name for p in param_instrs],
+                   [dynamic.dynamic_flags(p.shape) for p in param_instrs], outputs,
+                   output_dynamic, root.shape.is_tuple, aliases)
 
 
 _ = errors  # re-exported names live in errors.py

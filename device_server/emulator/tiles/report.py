@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import typing
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,38 @@ class Estimate:
         """The report as JSON."""
         return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
 
+    @classmethod
+    def from_dict(cls, d: Any) -> Estimate:
+        """The estimate that ``to_dict`` (or ``dataclasses.asdict``) described, e.g. read
+        back from the executable cache on disk. Every field must be there with a value of
+        its declared kind (JSON's: a tuple field may come as a list, a float as an int); the
+        derived figures (``latency_s``, ...) are ignored.
+
+        Raises:
+            ValueError: naming the first field that is missing, unknown or of a wrong kind.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"an estimate must be a JSON object. Received: {type(d).__name__}")
+        hints = _field_kinds()
+        unknown = sorted(set(d) - set(hints) - set(_DERIVED))
+        if unknown:
+            raise ValueError(f"estimate: unknown fields {unknown[:5]}")
+        values: dict[str, Any] = {}
+        for name, kind in hints.items():
+            if name not in d:
+                raise ValueError(f"estimate: field {name!r} is missing")
+            v = d[name]
+            ok = (isinstance(v, bool) if kind is bool
+                  else isinstance(v, int) and not isinstance(v, bool) if kind is int
+                  else isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float
+                  else isinstance(v, (list, tuple)) if kind in (list, tuple)
+                  else isinstance(v, kind))
+            if not ok:
+                raise ValueError(f"estimate: field {name!r} must be {kind.__name__}, "
+                                 f"received {type(v).__name__}")
+            values[name] = tuple(v) if kind is tuple else v  # an int float stays as it was
+        return cls(**values)
+
     def save_html(self, path: str) -> str:
         """Writes the self-contained HTML report to ``path``; returns the path."""
         from device_server.emulator.tiles.html import save_html
@@ -184,6 +217,15 @@ class Estimate:
                      f"({self.always_live_bytes:,} always live). Set allow_out_of_memory to "
                      "compile anyway and inspect the report.")
         return " ".join(lines)
+
+
+_DERIVED = ("latency_s", "throughput", "device_seconds")  # to_dict's computed figures
+
+
+def _field_kinds() -> dict[str, type]:
+    """Each field of ``Estimate`` and the Python type of its values (``list[str]`` -> list)."""
+    hints = typing.get_type_hints(Estimate)
+    return {f.name: typing.get_origin(hints[f.name]) or hints[f.name] for f in fields(Estimate)}
 
 
 def _jsonable(x: Any) -> Any:
