@@ -1,6 +1,8 @@
 """IPU architecture presets (GC2 / GC200 / Bow) for the emulator's cost and memory model.
 
-Every figure is a named field so that a wrong one can be corrected in one place. Sources are
+Every figure is a named field so that a wrong one can be corrected in one place (the chips'
+names and tile counts, and the multi-IPU systems, are ``device_server/protocol/hardware.py``'s,
+which the client reads too). Sources are
 those collected in ``/work/shared/ipu_arch.md``; "derived" marks arithmetic on published
 figures, "assumption" a figure nobody published.
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from device_server.protocol.hardware import VERSIONS, canonical_version
 
 __all__ = ["BOW", "GC2", "GC200", "PRESETS", "Target", "get_target"]
 
@@ -134,19 +138,22 @@ BOW = dataclasses.replace(
 )
 
 PRESETS: dict[str, Target] = {"ipu1": GC2, "ipu2": GC200, "bow": BOW}
-_ALIASES = {"ipu21": "bow", "gc2": "ipu1", "gc200": "ipu2"}
+if {k: (t.product, t.ipu_version, t.hardware_tiles_per_ipu) for k, t in PRESETS.items()} != {
+        v.name: (v.product, v.poplar_name, v.tiles) for v in VERSIONS.values()}:
+    raise RuntimeError("the presets and device_server/protocol/hardware.py name different chips")
 
 
 def get_target(name: str, tiles_per_ipu: int = 0) -> Target:
-    """The preset called ``name`` ("ipu1" = GC2, "ipu2" = GC200, "bow" or "ipu21" = Bow).
+    """The preset called ``name`` ("ipu1" = GC2, "ipu2" = GC200, "bow" or "ipu21" = Bow; the
+    names are ``device_server.protocol.hardware``'s).
 
     ``tiles_per_ipu`` > 0 restricts the program to that many tiles (at most the chip's).
     """
-    key = str(name).lower()
-    key = _ALIASES.get(key, key)
-    if key not in PRESETS:
-        accepted = ", ".join(repr(n) for n in [*PRESETS, "ipu21"])
-        raise ValueError(f"Unknown IPU target {name!r}; accepted: {accepted}.")
+    try:
+        key = canonical_version(name)
+    except ValueError:
+        raise ValueError(f"Unknown IPU target {name!r}; accepted: "
+                         f"{', '.join(repr(n) for n in [*PRESETS, 'ipu21'])}.") from None
     target = PRESETS[key]
     if tiles_per_ipu:
         if not isinstance(tiles_per_ipu, int) or not 0 < tiles_per_ipu <= target.hardware_tiles_per_ipu:

@@ -1,0 +1,259 @@
+"""IPU versions and multi-IPU systems: the names host and server share, and each system's links.
+
+    version   "ipu1" (GC2) | "ipu2" (GC200) | "bow" (Bow; Poplar: "ipu21")            VERSIONS
+    system    "c2" | "dss8440" | "m2000" | "bow2000" | "pod16" | "bow-pod16"          SYSTEMS
+              (or plain_system(n, version) for ``--ipus N``)
+
+    a system:  IPU 0 ══ IPU 1        ══  IPU-Links between a pair of IPUs (Link: bytes/s
+                 ║        ║              each way, latency per transfer)
+               IPU 2 ══ IPU 3        host links: one per group of IPUs that shares it
+                 └── host link ──┘   (HostLink: a C2 card's PCIe, an M2000's gateway)
+
+This module is the one place where versions and systems are named: the client's IPUConfig,
+the server's ``--ipu-version`` / ``--system`` flags and the emulator's presets
+(``device_server/emulator/arch.py``, which holds each version's cost figures) all read it. It
+imports nothing heavy, so the client can use it without the emulator. Sources are those of
+``/work/shared/ipu_arch.md``; a figure nobody published is a named assumption in
+``System.assumptions``, to be corrected here.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+__all__ = [
+    "SYSTEMS", "VERSIONS", "HostLink", "IpuVersion", "Link", "System", "canonical_version",
+    "get_system", "plain_system",
+]
+
+
+@dataclass(frozen=True)
+class IpuVersion:
+    """One IPU chip: its canonical name, the names it is also known by, and its tiles."""
+
+    name: str               # canonical: "ipu1", "ipu2", "bow"
+    product: str            # "GC2", "GC200", "Bow"
+    poplar_name: str        # Poplar's spelling: "ipu1", "ipu2", "ipu21"
+    tiles: int              # tiles on the chip
+    aliases: tuple[str, ...] = ()
+
+
+VERSIONS: dict[str, IpuVersion] = {
+    v.name: v for v in (
+        IpuVersion("ipu1", "GC2", "ipu1", 1216, ("gc2",)),      # 16 x 19 x 4 tiles (Burchard s.2)
+        IpuVersion("ipu2", "GC200", "ipu2", 1472, ("gc200",)),  # Graphcore product pages
+        IpuVersion("bow", "Bow", "ipu21", 1472, ("ipu21",)),    # the GC200's tiles, 3D silicon
+    )
+}
+_VERSION_NAMES = {alias: v.name for v in VERSIONS.values() for alias in (v.name, *v.aliases)}
+
+
+def canonical_version(name: str) -> str:
+    """The canonical version for ``name`` (any case, any alias); ValueError naming the
+    accepted names otherwise."""
+    key = _VERSION_NAMES.get(str(name).lower())
+    if key is None:
+        raise ValueError(f"Unknown IPU version {name!r}; accepted: "
+                         f"{', '.join(repr(n) for n in sorted(_VERSION_NAMES))}.")
+    return key
+
+
+@dataclass(frozen=True)
+class Link:
+    """The IPU-Links joining IPUs ``a`` and ``b``, as one connection."""
+
+    a: int
+    b: int
+    bytes_per_s: float      # each way, all the pair's links together
+    latency_s: float        # one transfer over the connection (each way)
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """One link to the host, shared by ``ipus``."""
+
+    ipus: tuple[int, ...]
+    bytes_per_s: float      # each way
+    latency_s: float        # fixed cost of one transfer
+    kind: str               # "PCIe Gen4 x16", "100 GbE RoCEv2 through the IPU-Gateway"
+
+
+@dataclass(frozen=True)
+class System:
+    """A named set of IPUs of one version, its IPU-Link graph and its host links."""
+
+    name: str
+    description: str
+    ipu_version: str
+    num_ipus: int
+    links: tuple[Link, ...]
+    host_links: tuple[HostLink, ...]
+    sources: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = ()
+    _adjacency: dict[int, dict[int, Link]] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for link in self.links:
+            for i in (link.a, link.b):
+                if not 0 <= i < self.num_ipus:
+                    raise ValueError(f"system {self.name}: link {link} names IPU {i}.")
+            self._adjacency.setdefault(link.a, {})[link.b] = link
+            self._adjacency.setdefault(link.b, {})[link.a] = link
+        hosted = sorted(i for h in self.host_links for i in h.ipus)
+        if hosted != list(range(self.num_ipus)):
+            raise ValueError(f"system {self.name}: every IPU needs exactly one host link.")
+
+    @property
+    def product(self) -> str:
+        """The IPUs' product name (e.g. "GC2")."""
+        return VERSIONS[self.ipu_version].product
+
+    def link(self, a: int, b: int) -> Link | None:
+        """The connection between IPUs ``a`` and ``b``, or None if they are not neighbours."""
+        return self._adjacency.get(a, {}).get(b)
+
+    def neighbours(self, ipu: int) -> list[int]:
+        """The IPUs joined to ``ipu`` by IPU-Links, ascending."""
+        return sorted(self._adjacency.get(ipu, {}))
+
+    def host_link(self, ipu: int) -> HostLink:
+        """The host link ``ipu`` uses."""
+        return next(h for h in self.host_links if ipu in h.ipus)
+
+    def path(self, a: int, b: int) -> list[int]:
+        """The IPUs from ``a`` to ``b`` over the fewest IPU-Link hops (``[a]`` if equal);
+        ValueError if no IPU-Links join them."""
+        if a == b:
+            return [a]
+        previous = {a: a}
+        queue = collections.deque([a])
+        while queue:
+            here = queue.popleft()
+            for there in self.neighbours(here):
+                if there not in previous:
+                    previous[there] = here
+                    if there == b:
+                        route = [b]
+                        while route[-1] != a:
+                            route.append(previous[route[-1]])
+                        return route[::-1]
+                    queue.append(there)
+        raise ValueError(f"system {self.name}: no IPU-Links join IPU {a} and IPU {b}.")
+
+    def summary(self) -> str:
+        """One line: name, IPUs, links, host links."""
+        hosts = collections.Counter(h.kind for h in self.host_links)
+        return (f"{self.name}: {self.num_ipus} {self.product} IPUs, {len(self.links)} IPU-Link "
+                f"connections, host links: "
+                + ", ".join(f"{n} x {kind}" for kind, n in hosts.items()))
+
+
+# ---- figures (ipu_arch.md; "derived" = arithmetic on published figures) ----------------------
+_HOP_LATENCY_S = 15e-9            # IPU Model's inter-IPU cost: ~15 ns per hop each way (Poplar)
+_PCIE4_X16_BYTES_PER_S = 32e9     # PCIe Gen4 x16: 64 GB/s counting both directions (Louw s.II-III)
+_PCIE_LATENCY_S = 5e-6            # assumption: fixed cost of one host transfer
+_GATEWAY_BYTES_PER_S = 5.5e9      # M2000/Bow-2000 host via 100 GbE RoCEv2: as graphcore/examples assume
+_GATEWAY_LATENCY_S = 10e-6        # assumption: RoCE round trip through the gateway
+# C2 card: 3 IPU-Links of 64 GB/s bidirectional each; 2 join the card's pair (Jia et al. 2019).
+_C2_PAIR_BYTES_PER_S = 2 * 32e9   # derived: 2 links x 32 GB/s each way
+_C2_CARD_TO_CARD_BYTES_PER_S = 32e9  # assumption: the third link, 32 GB/s each way, to the next card
+# GC200: 10 IPU-Links, 320 GB/s per IPU (secondary source); Bow-2000: IPU-Link 512 Gbit/s.
+_GC200_NEIGHBOUR_BYTES_PER_S = 320e9 / 2 / 3   # derived, with the assumptions below
+_BOW_NEIGHBOUR_BYTES_PER_S = 10 * 64e9 / 2 / 3  # derived: 10 links x 512 Gbit/s, as above
+
+
+def _ladder(num_ipus: int, rung: float, rail: float, ring: bool = False) -> tuple[Link, ...]:
+    """IPUs 2k and 2k+1 joined (rungs), and IPU i to IPU i+2 (rails); ``ring`` joins the
+    ends of the rails too (a torus of the ladder's length)."""
+    links = [Link(i, i + 1, rung, _HOP_LATENCY_S) for i in range(0, num_ipus - 1, 2)]
+    links += [Link(i, i + 2, rail, _HOP_LATENCY_S) for i in range(num_ipus - 2)]
+    if ring and num_ipus > 4:
+        links += [Link(num_ipus - 2, 0, rail, _HOP_LATENCY_S), Link(num_ipus - 1, 1, rail, _HOP_LATENCY_S)]
+    return tuple(links)
+
+
+def _host_links(num_ipus: int, per: int, bytes_per_s: float, latency_s: float,
+                kind: str) -> tuple[HostLink, ...]:
+    return tuple(HostLink(tuple(range(i, i + per)), bytes_per_s, latency_s, kind)
+                 for i in range(0, num_ipus, per))
+
+
+_PCIE = "PCIe Gen4 x16"
+_GATEWAY = "100 GbE RoCEv2 through the IPU-Gateway"
+_MK2_ASSUMPTIONS = (
+    "the IPUs of a machine form a ladder (IPU 2k and 2k+1 joined; IPU i and i+2 joined), each "
+    "IPU's links shared evenly by its 3 neighbours, the quoted per-IPU figure counting both "
+    "directions",
+    "host transfers reach the gateway at the rate Graphcore's examples assume (5.5 GB/s), "
+    "not the 100 GbE line rate",
+)
+_MK2_SOURCES = ("docs.graphcore.ai IPU-POD DA build and test guide",
+                "docs.graphcore.ai bow-2000-datasheet", "thecharlieblake.co.uk/ipus")
+
+
+def _mk2(name: str, description: str, version: str, machines: int, neighbour: float) -> System:
+    n = 4 * machines
+    return System(
+        name, description, version, n, _ladder(n, neighbour, neighbour),
+        _host_links(n, 4, _GATEWAY_BYTES_PER_S, _GATEWAY_LATENCY_S, _GATEWAY),
+        _MK2_SOURCES, _MK2_ASSUMPTIONS + (
+            ("the machines are cabled into one ladder (a POD16's rails run through its 4 "
+             "machines)",) if machines > 1 else ()),
+    )
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (
+    System(
+        "c2", "one C2 PCIe card: 2 GC2 IPUs", "ipu1", 2,
+        (Link(0, 1, _C2_PAIR_BYTES_PER_S, _HOP_LATENCY_S),),
+        _host_links(2, 2, _PCIE4_X16_BYTES_PER_S, _PCIE_LATENCY_S, _PCIE),
+        ("Jia et al. 2019 (arXiv:1912.03413)", "Louw & McIntosh-Smith 2021"),
+    ),
+    System(
+        "dss8440", "Dell DSS8440: 8 C2 cards, 16 GC2 IPUs (the launch article's server)", "ipu1",
+        16, _ladder(16, _C2_PAIR_BYTES_PER_S, _C2_CARD_TO_CARD_BYTES_PER_S),
+        _host_links(16, 2, _PCIE4_X16_BYTES_PER_S, _PCIE_LATENCY_S, _PCIE),
+        ("the launch article", "Jia et al. 2019",
+         "graphcore/tensorflow ipu/config.py, SelectionOrder: the link diagram of a machine "
+         "with 8 C2 cards"),
+        ("cards are cabled into a ladder, as Graphcore's diagram of 8 C2 cards draws them: "
+         "IPU i joined to IPU i+2 by one IPU-Link of 32 GB/s each way",
+         "each card has a PCIe Gen4 x16 link of its own to the host"),
+    ),
+    _mk2("m2000", "IPU-M2000: 4 GC200 IPUs", "ipu2", 1, _GC200_NEIGHBOUR_BYTES_PER_S),
+    _mk2("bow2000", "Bow-2000: 4 Bow IPUs", "bow", 1, _BOW_NEIGHBOUR_BYTES_PER_S),
+    _mk2("pod16", "IPU-POD16: 4 IPU-M2000, 16 GC200 IPUs, one host", "ipu2", 4,
+         _GC200_NEIGHBOUR_BYTES_PER_S),
+    _mk2("bow-pod16", "Bow Pod16: 4 Bow-2000, 16 Bow IPUs, one host", "bow", 4,
+         _BOW_NEIGHBOUR_BYTES_PER_S),
+)}
+
+
+def get_system(name: str) -> System:
+    """The system called ``name``; ValueError naming the accepted names otherwise."""
+    system = SYSTEMS.get(str(name).lower())
+    if system is None:
+        raise ValueError(f"Unknown system {name!r}; accepted: {', '.join(sorted(SYSTEMS))}.")
+    return system
+
+
+def plain_system(num_ipus: int, ipu_version: str) -> System:
+    """``num_ipus`` IPUs of ``ipu_version`` without a named system (``--ipus N``): linked as
+    the version's machines are (C2 cards for GC2, M2000-style ladders for Mk2), one host link
+    per card or machine."""
+    version = canonical_version(ipu_version)
+    if num_ipus < 1:
+        raise ValueError(f"A system needs at least one IPU. Received: {num_ipus}")
+    if version == "ipu1":
+        links = _ladder(num_ipus, _C2_PAIR_BYTES_PER_S, _C2_CARD_TO_CARD_BYTES_PER_S)
+        hosts = _host_links(num_ipus, 2, _PCIE4_X16_BYTES_PER_S, _PCIE_LATENCY_S, _PCIE)
+    else:
+        neighbour = _GC200_NEIGHBOUR_BYTES_PER_S if version == "ipu2" else _BOW_NEIGHBOUR_BYTES_PER_S
+        links = _ladder(num_ipus, neighbour, neighbour)
+        hosts = _host_links(num_ipus, 4, _GATEWAY_BYTES_PER_S, _GATEWAY_LATENCY_S, _GATEWAY)
+    hosts = tuple(HostLink(tuple(i for i in h.ipus if i < num_ipus), h.bytes_per_s, h.latency_s,
+                           h.kind) for h in hosts)
+    return System(f"{num_ipus}x{version}", f"{num_ipus} {VERSIONS[version].product} IPUs",
+                  version, num_ipus, links, hosts,
+                  assumptions=("linked as the version's named systems are",))
