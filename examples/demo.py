@@ -6,15 +6,50 @@ No server is configured, so configure_ipu_system() starts a local device server.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+# What TensorFlow's C++ start-up writes to stderr on a machine without a GPU, whatever
+# TF_CPP_MIN_LOG_LEVEL says (absl logs before its logging is initialised).
+_START_UP_NOISE = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\)"
+    r"|^[IWE]\d{4} .*(port\.cc|cudart_stub\.cc|cuda_platform\.cc|cpu_feature_guard\.cc)"
+    r"|^To enable the following instructions:"
+)
 
-import tf_ipu  # noqa: E402
+
+@contextlib.contextmanager
+def quiet_start_up() -> Iterator[None]:
+    """Holds back TensorFlow's start-up lines on stderr (file descriptor 2, where C++ logs
+    go) while the body runs; every other line written meanwhile is passed on after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines():
+                if not _START_UP_NOISE.search(line):
+                    print(line, file=sys.stderr)
+
+
+with quiet_start_up():
+    import keras
+    import numpy as np
+
+    import tf_ipu
 
 
 def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -32,10 +67,12 @@ def main() -> None:
     cfg = tf_ipu.IPUConfig()
     cfg.auto_select_ipus = 1
     cfg.ipu_model.version = os.environ.get("TF_IPU_DEMO_VERSION", "ipu2")
-    cfg.configure_ipu_system()
+    with quiet_start_up():  # the first device enumeration logs too
+        cfg.configure_ipu_system()
 
-    x, y = make_data(2048)
-    x_test, y_test = make_data(256, seed=1)
+    quick = os.environ.get("TF_IPU_DEMO_QUICK") == "1"  # the test suite's shorter run
+    x, y = make_data(256 if quick else 2048)
+    x_test, y_test = make_data(64 if quick else 256, seed=1)
     strategy = tf_ipu.IPUStrategy()
     with strategy.scope():
         model = keras.Sequential(
@@ -58,7 +95,7 @@ def main() -> None:
             steps_per_execution=16,
         )
     t0 = time.time()
-    model.fit(x, y, epochs=3, batch_size=32, verbose=2)
+    model.fit(x, y, epochs=1 if quick else 3, batch_size=32, verbose=2)
     result = model.evaluate(x_test, y_test, batch_size=32, verbose=0, return_dict=True)
     print(f"\ntest loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} "
           f"({time.time() - t0:.1f} s wall on the emulator)")

@@ -90,7 +90,25 @@ def test_graphcore_paths_resolve_to_this_project():
     assert ipu.config.IPUConfig is tf_ipu.IPUConfig
     assert gc_strategy.IPUStrategy is tf_ipu.IPUStrategy
     assert ipu.ipu_strategy.IPUStrategyV1 is tf_ipu.IPUStrategy
-    assert not hasattr(ipu, "keras")  # not ported yet: an AttributeError, no placeholder
+    assert not hasattr(ipu, "keras")  # Graphcore's Keras 2 models: out of scope, no placeholder
+    from tensorflow.python.ipu import loops
+
+    assert loops.repeat is ipu.loops.repeat
+
+
+def test_keras_ipu_is_one_namespace_through_keras_and_tf_keras():
+    import importlib
+
+    import keras
+    from tensorflow import keras as tf_keras  # TF's lazy loader over keras._tf_keras.keras
+
+    import tf_ipu  # noqa: F401  (installs keras.ipu)
+
+    Dense = importlib.import_module("keras.ipu.layers").Dense  # `from keras.ipu.layers import`
+
+    assert keras.ipu.layers.Dense is tf_keras.ipu.layers.Dense is Dense
+    assert issubclass(Dense, keras.layers.Dense)
+    assert not hasattr(keras.ipu, "PipelineStage")  # comes with pipelining, no placeholder
 
 
 def test_reset_ipu_seed_makes_two_runs_with_dropout_bit_identical(ipu_system):
@@ -212,6 +230,36 @@ def test_an_op_xla_cannot_compile_is_named_with_its_layer(ipu_system, kind):
     message = info.value.message
     assert f"({op}) in Keras layer 'hostly'" in message, message
     assert "the IPU runs only what XLA compiles" in message and "XLA_CPU_JIT" not in message
+
+
+def test_a_device_error_in_fit_is_not_wrapped_in_graph_execution_error(ipu_system):
+    """A device call that fails while running (here a floating-point check) raises the TF
+    error class of its status with the device's message alone: no "Graph execution error",
+    no traceback of where tf_ipu defined the op."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_ipu
+
+    cfg = tf_ipu.IPUConfig()
+    cfg.server_address = ipu_system.server_address
+    cfg.floating_point_behaviour.div0 = True
+    cfg.configure_ipu_system()
+    try:
+        with tf_ipu.IPUStrategy().scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Lambda(lambda x: 1.0 / x,
+                                                                             name="reciprocal"),
+                                      keras.layers.Dense(1)])
+            model.compile(loss="mse", optimizer="sgd")
+        with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+            model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 1), "float32"), verbose=0)
+        message = raised.value.message
+        assert message.startswith("INVALID_ARGUMENT: Execute of executable"), message
+        assert "div0" in message and "Keras layer 'reciprocal'" in message, message
+        assert "Graph execution error" not in message and "Detected at node" not in message
+    finally:
+        ipu_system.configure_ipu_system()
 
 
 def test_layers_are_named_inside_the_device_loop():
@@ -346,3 +394,34 @@ def test_a_long_compile_shows_progress(ipu_system, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "tf_ipu: compiling run:<lambda> for the IPU ... 1 s" in err, err
     assert "tf_ipu: compiled run:<lambda> in 1." in err, err
+
+
+def test_make_demo_shows_no_tensorflow_start_up_noise(device_server):
+    """Notebook manners: the demo's stderr holds at most 3 lines besides tf_ipu's own (today
+    none: TensorFlow's C++ start-up lines, which ignore TF_CPP_MIN_LOG_LEVEL, are held back)."""
+    import os
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "demo.py")
+    env = su.child_env(TF_IPU_SERVER=device_server, TF_IPU_DEMO_QUICK="1")
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    done = subprocess.run([sys.executable, demo], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Emulator estimates" in done.stdout
+    foreign = [line for line in done.stderr.splitlines() if not line.startswith("tf_ipu: ")]
+    assert len(foreign) <= 3, foreign
+
+
+def test_a_function_that_already_calls_the_device_is_refused_by_strategy_run(ipu_system):
+    import tensorflow as tf
+
+    import tf_ipu
+    from tf_ipu import errors
+
+    strategy = tf_ipu.IPUStrategy()
+    on_device = tf.function(lambda x: strategy.run(lambda t: t + 1.0, args=(x,)))
+    concrete = on_device.get_concrete_function(tf.ones((2,)))
+    with pytest.raises(errors.UnsupportedOpError, match="already runs on the IPU .* call it "
+                                                        "directly, not through strategy.run"):
+        strategy.run(concrete, args=(tf.ones((2,)),))

@@ -17,39 +17,94 @@ Environment variables:
 
 from __future__ import annotations
 
+import difflib
 import enum
 import os
+from collections.abc import Mapping
 from typing import Any
 
-IPU_VERSIONS = {"ipu1": "ipu1", "ipu2": "ipu2", "bow": "bow", "ipu21": "bow"}
-"""Accepted architecture names and the canonical name each stands for."""
+from device_server.protocol import hardware
+from tf_ipu import notices
 
-_TILES = {"ipu1": 1216, "ipu2": 1472, "bow": 1472}
+IPU_VERSIONS = {alias: v.name for v in hardware.VERSIONS.values() for alias in (v.name, *v.aliases)}
+"""Accepted architecture names and the canonical name each stands for (from
+``device_server.protocol.hardware``, where versions and systems are named once)."""
 DATA_PATHS = ("auto", "shm", "stream")
 DATA_PATH_ENV = "TF_IPU_DATA_PATH"
+POPLAR_FLAGS_ENV = "TF_POPLAR_FLAGS"
 _SECRET = frozenset({"server_token"})  # shown as *** by repr
 
 
+class Effect(enum.Enum):
+    """What an option does here: HONOURED (the emulator acts on it), KEPT (stored, read back,
+    and named in one warning: what would act on it is not modelled yet), IGNORED (stored,
+    read back, and named in one warning: it has no meaning on the emulated IPU)."""
+
+    HONOURED = "honoured"
+    KEPT = "kept"
+    IGNORED = "ignored"
+
+
 class _Section:
-    """A group of options; refuses unknown attribute names (a typo must not pass silently)."""
+    """A group of options; refuses unknown attribute names (a typo must not pass silently).
+
+    ``_fields`` maps each option to its default (a ``_Section`` subclass for a nested group);
+    ``_notes`` maps the options that are KEPT or IGNORED to ``(effect, reason)``: setting one
+    to something other than its default warns once (``tf_ipu.notices``). Values are checked
+    against the default's type (an enum's class, bool, int, float, str, dict) unless the
+    section's ``_check`` knows the option better.
+    """
 
     _fields: dict[str, Any] = {}
+    _notes: dict[str, tuple[Effect, str]] = {}
     _path = ""
 
     def __init__(self) -> None:
         for name, default in self._fields.items():
+            if isinstance(default, type) and issubclass(default, _Section):
+                default = default()
+            elif isinstance(default, (dict, list)):
+                default = type(default)(default)
             object.__setattr__(self, name, default)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in self._fields:
+            close = difflib.get_close_matches(name, list(self._fields), n=1)
             raise AttributeError(
-                f"{self._path}.{name} is not an IPUConfig option. "
-                f"Options here: {', '.join(sorted(self._fields))}."
+                f"{self._path}.{name} is not an IPUConfig option."
+                + (f" Did you mean {self._path}.{close[0]}?" if close else "")
+                + f" Options here: {', '.join(sorted(self._fields))}."
             )
-        object.__setattr__(self, name, self._check(name, value))
+        default = self._fields[name]
+        if isinstance(default, type) and issubclass(default, _Section):
+            raise AttributeError(f"{self._path}.{name} is a group: set its fields instead.")
+        value = self._check(name, value)
+        object.__setattr__(self, name, value)
+        self.__dict__.setdefault("_set_by_user", set()).add(name)
+        note = self._note(name, value)
+        if note is not None and value != default:
+            effect, reason = note
+            notices.once(f"{self._path}.{name}",
+                         ("is kept but has no effect yet: " if effect is Effect.KEPT
+                          else "has no effect on the emulated IPU: ") + reason)
 
     def _check(self, name: str, value: Any) -> Any:
-        return value
+        return _check_type(f"{self._path}.{name}", self._fields[name], value)
+
+    def _note(self, name: str, value: Any) -> tuple[Effect, str] | None:
+        """What to warn about once when ``name`` is set to ``value`` (not its default)."""
+        return self._notes.get(name)
+
+    def was_set(self, name: str) -> bool:
+        """Whether option ``name`` of this group was assigned (even to its default)."""
+        return name in self.__dict__.get("_set_by_user", ())
+
+    def effect(self, name: str) -> Effect:
+        """What option ``name`` of this group does here (``Effect``)."""
+        if name not in self._fields:
+            raise AttributeError(f"{self._path}.{name} is not an IPUConfig option.")
+        note = self._notes.get(name)
+        return note[0] if note else Effect.HONOURED
 
     def _as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -65,15 +120,91 @@ class _Section:
         return f"{type(self).__name__}({fields})"
 
 
+def _check_type(path: str, default: Any, value: Any) -> Any:
+    """``value`` if it has the type of ``default`` (ints pass for floats), else TypeError."""
+    if isinstance(default, enum.Enum):
+        ok, want = isinstance(value, type(default)), type(default).__name__
+    elif isinstance(default, bool):
+        ok, want = isinstance(value, bool), "bool"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "int"
+    elif isinstance(default, float):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "float"
+        value = float(value) if ok else value
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "str"
+    elif isinstance(default, dict):
+        ok, want = isinstance(value, Mapping) and all(isinstance(k, str) for k in value), \
+            "dict with str keys"
+        value = dict(value) if ok else value
+    else:
+        return value
+    if not ok:
+        raise TypeError(f"{path} must be a {want}. Received: {value!r} ({type(value).__name__})")
+    return value
+
+
+class SelectionOrder(enum.Enum):
+    """In which order a multi-IPU device's IPUs are taken (Graphcore's
+    ``ipu.config.SelectionOrder``): AUTO, ZIGZAG (0, 1, 2, ...), SNAKE (each next IPU linked
+    to the one before), HOOF (SNAKE, ending on the first IPU's card)."""
+
+    AUTO = 0
+    ZIGZAG = 1
+    SNAKE = 2
+    HOOF = 3
+
+
+class StochasticRoundingBehaviour(enum.Enum):
+    """``floating_point_behaviour.esr``: OFF, ON, or REPLICA_IDENTICAL_ONLY (only where
+    every replica computes the same values; with one replica, everywhere, as ON)."""
+
+    OFF = 0
+    ON = 1
+    REPLICA_IDENTICAL_ONLY = 2
+
+    @staticmethod
+    def from_bool(value: bool) -> StochasticRoundingBehaviour:
+        """ON for True, OFF for False (the older bool spelling of ``esr``)."""
+        return StochasticRoundingBehaviour.ON if value else StochasticRoundingBehaviour.OFF
+
+
+class MergeRemoteBuffersBehaviour(enum.Enum):
+    """``optimizations.merge_remote_buffers``: NO_MERGING, MERGE, IF_BENEFICIAL."""
+
+    NO_MERGING = 0
+    MERGE = 1
+    IF_BENEFICIAL = 2
+
+
+class SchedulingAlgorithm(enum.Enum):
+    """``scheduling.algorithm``: how Poplar orders instructions (CHOOSE_BEST by default)."""
+
+    CHOOSE_BEST = 0
+    CLUSTERING = 1
+    POST_ORDER = 2
+    LOOK_AHEAD = 3
+    SHORTEST_PATH = 4
+
+
+_NO_TILE_PLAN = "the tile model plans every operation the same way whatever it says"
+_NO_COMPILER_PASS = "the emulator runs the program as XLA lowered it, without this Poplar pass"
+_NO_REMOTE = "the emulated IPU has no remote buffers (Streaming Memory)"
+_NO_SCHEDULER = "the emulator runs instructions in the program's order"
+
+
 class IpuModelOptions(_Section):
     """``ipu_model``: which emulated chip to compile for.
 
     Attributes:
         version: "ipu1" (GC2), "ipu2" (GC200), "bow" (Bow; "ipu21" is accepted too).
         tiles_per_ipu: 0 for the chip's full tile count, or fewer for quick experiments.
+        compile_ipu_code: Graphcore's IPU Model switch for compiling tile code (ignored:
+            the emulator always builds its tile program).
     """
 
-    _fields = {"version": "ipu2", "tiles_per_ipu": 0}
+    _fields = {"compile_ipu_code": True, "tiles_per_ipu": 0, "version": "ipu2"}
+    _notes = {"compile_ipu_code": (Effect.IGNORED, "the emulator always builds its tile program")}
     _path = "IPUConfig.ipu_model"
 
     def _check(self, name: str, value: Any) -> Any:
@@ -86,12 +217,12 @@ class IpuModelOptions(_Section):
                 )
             return key
         if name == "tiles_per_ipu":
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(
                     f"IPUConfig.ipu_model.tiles_per_ipu must be an int >= 0. "
                     f"Received: tiles_per_ipu={value!r}"
                 )
-        return value
+        return super()._check(name, value)
 
 
 class FloatingPointBehaviour(_Section):
@@ -102,51 +233,143 @@ class FloatingPointBehaviour(_Section):
         div0: stop the step when a division by zero produces +-inf.
         oflo: stop the step when an instruction produces +-inf from finite operands (leave it
             off with ``mixed_float16``: dynamic loss scaling overflows on purpose).
-        esr: stochastic rounding of FP32 -> FP16 (conversions and FP16 arithmetic results).
+        esr: stochastic rounding of FP32 -> FP16 (conversions and FP16 arithmetic results):
+            a ``StochasticRoundingBehaviour`` (ON, OFF, REPLICA_IDENTICAL_ONLY) or a bool.
         nanoo: an FP16 result that overflows becomes NaN (off: +-inf as in IEEE).
+        set_all: turns all of the above on, whatever they say.
     """
 
-    _fields = {"inv": False, "div0": False, "oflo": False, "esr": False, "nanoo": False}
+    _fields = {"inv": False, "div0": False, "oflo": False,
+               "esr": StochasticRoundingBehaviour.OFF, "nanoo": False, "set_all": False}
     _path = "IPUConfig.floating_point_behaviour"
 
     def _check(self, name: str, value: Any) -> Any:
+        if name == "esr" and isinstance(value, (bool, StochasticRoundingBehaviour)):
+            return value
         if not isinstance(value, bool):
-            raise ValueError(f"{self._path}.{name} must be a bool. Received: {value!r}")
+            raise ValueError(
+                f"{self._path}.{name} must be a bool"
+                + (" or a StochasticRoundingBehaviour" if name == "esr" else "")
+                + f". Received: {value!r}"
+            )
         return value
+
+    def flags(self) -> dict[str, bool]:
+        """The five control bits as the device takes them (``set_all`` applied)."""
+        esr = self.esr
+        if isinstance(esr, StochasticRoundingBehaviour):
+            esr = esr is not StochasticRoundingBehaviour.OFF  # one replica: all identical
+        out = {"inv": self.inv, "div0": self.div0, "oflo": self.oflo, "esr": bool(esr),
+               "nanoo": self.nanoo}
+        return {k: True for k in out} if self.set_all else out
+
+
+_PARTIALS = ("float", "half")
+
+
+def _check_poplar_options(path: str, value: Any) -> dict[str, Any]:
+    """A PopLibs option dict: str keys; ``partialsType`` and ``availableMemoryProportion``
+    (the two the emulator reads) checked here."""
+    options = _check_type(path, {}, value)
+    partials = options.get("partialsType")
+    if partials is not None and str(partials).lower() not in _PARTIALS:
+        raise ValueError(f"{path}['partialsType'] must be 'float' or 'half'. Received: {partials!r}")
+    amp = options.get("availableMemoryProportion")
+    if amp is not None:
+        try:
+            ok = 0.0 < float(amp) <= 1.0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{path}['availableMemoryProportion'] must be a number in (0, 1]. Received: {amp!r}"
+            )
+    return options
 
 
 class _PartialsOptions(_Section):
-    _fields = {"partials_type": "float"}
+    _fields = {"partials_type": "float", "poplar_options": {}}
+    _notes = {"poplar_options": (Effect.KEPT, "")}  # the reason names the keys (_note)
 
     def _check(self, name: str, value: Any) -> Any:
+        if name == "poplar_options":
+            return _check_poplar_options(f"{self._path}.poplar_options", value)
         key = str(value).lower()
-        if key not in ("float", "half"):
+        if key not in _PARTIALS:
             raise ValueError(
                 f"{self._path}.partials_type must be 'float' or 'half'. Received: {value!r}"
             )
         return key
 
+    def _note(self, name: str, value: Any) -> tuple[Effect, str] | None:
+        if name == "poplar_options":
+            kept = sorted(set(value) - {"partialsType"})
+            if not kept:
+                return None  # partialsType alone: honoured
+            return (Effect.KEPT, f"the tile model does not plan by PopLibs options yet "
+                    f"({', '.join(kept)}); 'partialsType' is honoured")
+        return super()._note(name, value)
+
+    @property
+    def effective_partials_type(self) -> str:
+        """``poplar_options['partialsType']`` if given (Graphcore's spelling), else
+        ``partials_type``."""
+        partials = self.poplar_options.get("partialsType")
+        return str(partials).lower() if partials is not None else self.partials_type
+
 
 class MatmulOptions(_PartialsOptions):
-    """``matmuls``: FP16 matrix products (``dot``).
+    """``matmuls``: matrix products (``dot``).
 
     Attributes:
-        partials_type: "float" (default: products accumulate in FP32 and are rounded once to
-            the result type) or "half" (an FP16 accumulator, rounded after every chunk of
-            the AMP's accumulation width: faster on the IPU, less precise).
+        partials_type: "float" (default: FP16 products accumulate in FP32 and are rounded
+            once to the result type) or "half" (an FP16 accumulator, rounded after every
+            chunk of the AMP's accumulation width: faster on the IPU, less precise).
+        poplar_options: PopLibs ``matMul`` options (Graphcore's spelling): ``partialsType``
+            is honoured (it wins over ``partials_type``); the others, e.g.
+            ``availableMemoryProportion``, are checked and kept.
+        clear_pass_type: Graphcore's switch that hides the pass type from PopLibs (ignored).
     """
 
+    _fields = {"clear_pass_type": False, **_PartialsOptions._fields}
+    _notes = {"clear_pass_type": (Effect.IGNORED, _NO_TILE_PLAN), **_PartialsOptions._notes}
     _path = "IPUConfig.matmuls"
+
+    def _check(self, name: str, value: Any) -> Any:
+        if name == "clear_pass_type":
+            return _check_type(f"{self._path}.{name}", False, value)
+        return super()._check(name, value)
 
 
 class ConvolutionOptions(_PartialsOptions):
-    """``convolutions``: FP16 convolutions.
+    """``convolutions``: convolutions.
 
     Attributes:
         partials_type: "float" (default) or "half", as for ``matmuls``.
+        poplar_options: PopLibs convolution options, as for ``matmuls``.
     """
 
     _path = "IPUConfig.convolutions"
+
+
+class _PoplarOptionsOnly(_Section):
+    _fields = {"poplar_options": {}}
+    _notes = {"poplar_options": (Effect.IGNORED, _NO_TILE_PLAN)}
+
+    def _check(self, name: str, value: Any) -> Any:
+        return _check_poplar_options(f"{self._path}.poplar_options", value)
+
+
+class SliceOptions(_PoplarOptionsOnly):
+    """``slices``: ``poplar_options`` of PopLibs' embedding slices (checked, no effect here)."""
+
+    _path = "IPUConfig.slices"
+
+
+class PoolingOptions(_PoplarOptionsOnly):
+    """``pooling``: ``poplar_options`` of PopLibs' pooling (checked, no effect here)."""
+
+    _path = "IPUConfig.pooling"
 
 
 class DeviceConnectionType(enum.Enum):
@@ -177,6 +400,7 @@ class DeviceConnectionOptions(_Section):
     """
 
     _fields = {"type": DeviceConnectionType.ALWAYS, "version": "", "enable_remote_buffers": False}
+    _notes = {"enable_remote_buffers": (Effect.IGNORED, _NO_REMOTE)}
     _path = "IPUConfig.device_connection"
 
     def _check(self, name: str, value: Any) -> Any:
@@ -193,6 +417,114 @@ class DeviceConnectionOptions(_Section):
         if name == "enable_remote_buffers" and not isinstance(value, bool):
             raise ValueError(f"{self._path}.{name} must be a bool. Received: {value!r}")
         return str(value).lower() if name == "version" else value
+
+
+class _MultiReplicaDistributionOptions(_Section):
+    _fields = {"process_index": 0, "process_count": 0}
+    _notes = {k: (Effect.KEPT, "one host process drives the device server's IPUs")
+              for k in _fields}
+    _path = "IPUConfig.experimental.multi_replica_distribution"
+
+
+class ExperimentalOptions(_Section):
+    """``experimental``: Graphcore's experimental switches (accepted; none acts here)."""
+
+    _fields = {"always_rearrange_copies_on_the_host": False,
+               "enable_remote_buffer_embedding": False, "enable_prng_stability": False,
+               "multi_replica_distribution": _MultiReplicaDistributionOptions}
+    _notes = {
+        "always_rearrange_copies_on_the_host": (
+            Effect.IGNORED, "host and device hold tensors in the same layout here"),
+        "enable_remote_buffer_embedding": (Effect.IGNORED, _NO_REMOTE),
+        "enable_prng_stability": (
+            Effect.IGNORED, "the emulator's stochastic rounding is seeded per program"),
+    }
+    _path = "IPUConfig.experimental"
+
+
+class IOTilesOptions(_Section):
+    """``io_tiles``: tiles set aside for host I/O (checked and kept; the tile model does not
+    set tiles aside yet)."""
+
+    _fields = {"num_io_tiles": 0, "place_ops_on_io_tiles": False,
+               "available_memory_proportion": 0.9}
+    _notes = {k: (Effect.KEPT, "the tile model does not set I/O tiles aside") for k in _fields}
+    _path = "IPUConfig.io_tiles"
+
+    def _check(self, name: str, value: Any) -> Any:
+        value = super()._check(name, value)
+        if name == "num_io_tiles" and value < 0:
+            raise ValueError(f"{self._path}.num_io_tiles must be >= 0. Received: {value}")
+        if name == "available_memory_proportion" and not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"{self._path}.available_memory_proportion must be in (0, 1]. Received: {value}"
+            )
+        return value
+
+
+class _NormsExperimentalOptions(_Section):
+    _fields = {"distributed_batch_norm_replica_group_size": 1}
+    _notes = {"distributed_batch_norm_replica_group_size": (
+        Effect.KEPT, "batch-norm statistics are per replica, one replica per device call")}
+    _path = "IPUConfig.norms.experimental"
+
+    def _check(self, name: str, value: Any) -> Any:
+        value = super()._check(name, value)
+        if value < 1:
+            raise ValueError(f"{self._path}.{name} must be at least 1. Received: {value}")
+        return value
+
+
+class NormOptions(_Section):
+    """``norms``: normalisation layers (accepted; batch-norm statistics are what the TF
+    graph computes, as XLA lowered it)."""
+
+    _fields = {"use_stable_statistics": False, "experimental": _NormsExperimentalOptions}
+    _notes = {"use_stable_statistics": (
+        Effect.IGNORED, "statistics are computed as the TensorFlow graph says")}
+    _path = "IPUConfig.norms"
+
+
+class _MathOptions(_Section):
+    _fields = {"fast": False, "dot_strength": True}
+    _notes = {k: (Effect.IGNORED, _NO_COMPILER_PASS) for k in _fields}
+    _path = "IPUConfig.optimizations.math"
+
+
+class OptimizationOptions(_Section):
+    """``optimizations``: Poplar's graph optimisations (accepted; the emulator runs the
+    program as XLA lowered it, so none changes results or estimates here)."""
+
+    _fields = {
+        "math": _MathOptions, "prefetch_data_streams": True, "combine_embedding_lookups": False,
+        "combine_matmuls": False, "enable_graph_outlining": True, "merge_infeed_io_copies": False,
+        "maximum_cross_replica_sum_buffer_size": 0, "maximum_reduce_scatter_buffer_size": 0,
+        "maximum_inter_ipu_copies_buffer_size": 0, "maximum_send_recv_cluster_size": 0,
+        "maximum_reduce_many_buffer_size": 0, "maximum_all_gather_buffer_size": 0,
+        "minimum_remote_tensor_size": 128,
+        "merge_remote_buffers": MergeRemoteBuffersBehaviour.IF_BENEFICIAL,
+        "enable_gather_simplifier": True, "triangular_solve_expander_block_size": 0,
+        "cholesky_block_size": 0, "enable_fast_math": False,
+    }
+    _notes = {
+        **{k: (Effect.IGNORED, _NO_COMPILER_PASS) for k in _fields if k != "math"},
+        "prefetch_data_streams": (
+            Effect.IGNORED, "set model.set_infeed_queue_options(prefetch_depth=...) instead"),
+        "minimum_remote_tensor_size": (Effect.IGNORED, _NO_REMOTE),
+        "merge_remote_buffers": (Effect.IGNORED, _NO_REMOTE),
+        "enable_fast_math": (Effect.IGNORED, "it is Graphcore's old name of "
+                             "optimizations.math.fast, which has no effect here either"),
+    }
+    _path = "IPUConfig.optimizations"
+
+
+class SchedulingOptions(_Section):
+    """``scheduling``: Poplar's instruction scheduler (accepted; no effect here)."""
+
+    _fields = {"algorithm": SchedulingAlgorithm.CHOOSE_BEST,
+               "maximum_scheduler_lookahead_depth": 5, "maximum_scheduler_search_space_size": 64}
+    _notes = {k: (Effect.IGNORED, _NO_SCHEDULER) for k in _fields}
+    _path = "IPUConfig.scheduling"
 
 
 class DebugOptions(_Section):
@@ -218,17 +550,29 @@ class DebugOptions(_Section):
 class IPUConfig(_Section):
     """Configuration of the IPU system this process uses.
 
+    Graphcore's whole ``IPUConfig`` tree (SDK 3) is accepted and reads back what was set;
+    ``effect(name)`` of a group says whether an option is honoured here, kept for a later
+    part of the emulator, or ignored (setting one of the last two warns once, naming it).
+    docs/porting.md lists them all.
+
     Attributes:
         auto_select_ipus: how many IPUs to attach (exclusively) on the device server.
+        select_ipus: the index of one IPU of the device server to attach, instead of
+            ``auto_select_ipus`` (an int or a one-element list; ``[]``: not used).
         ipu_model: an ``IpuModelOptions`` (``version``, ``tiles_per_ipu``).
         server_address: "host:port" of a device server; None: ``$TF_IPU_SERVER`` if set,
             else a local server started for this process.
-        floating_point_behaviour: a ``FloatingPointBehaviour`` (inv, div0, oflo, esr, nanoo).
-        matmuls: ``MatmulOptions`` (``partials_type``).
-        convolutions: ``ConvolutionOptions`` (``partials_type``).
+        floating_point_behaviour: a ``FloatingPointBehaviour`` (inv, div0, oflo, esr, nanoo,
+            set_all).
+        matmuls: ``MatmulOptions`` (``partials_type``, ``poplar_options``).
+        convolutions: ``ConvolutionOptions`` (``partials_type``, ``poplar_options``).
         debug: ``DebugOptions`` (test switches).
         device_connection: ``DeviceConnectionOptions`` (``type``: when to attach, or never;
             ``DeviceConnectionType``).
+        allow_recompute, selection_order, serialization_output_folder,
+        compilation_poplar_options, gcl_poplar_options, slices, pooling, experimental,
+        io_tiles, norms, optimizations, scheduling: Graphcore's options, accepted, checked
+            and read back (see ``effect``).
         connect_timeout: seconds to wait for the server before failing.
         server_token: the token a server started with ``--token-file`` wants; None:
             ``$TF_IPU_SERVER_TOKEN`` if set.
@@ -241,6 +585,13 @@ class IPUConfig(_Section):
             server is on this machine, as a probe finds, else streaming), ``"shm"`` (shared
             memory, or an error saying why not), ``"stream"`` (gRPC messages and chunked
             streams). ``$TF_IPU_DATA_PATH`` overrides it.
+        executable_cache_path: a folder where the (embedded) device server keeps compiled
+            programs across restarts; "": ``--executable_cache_path`` of
+            ``$TF_POPLAR_FLAGS`` (Graphcore's spelling) if given there, else no disk cache.
+        system: the multi-IPU system to run on ("c2", "dss8440", "m2000", "bow2000",
+            "pod16", "bow-pod16": ``device_server.protocol.hardware.SYSTEMS``); the embedded
+            server then hosts it, and a server given by address must host it. Its IPUs'
+            version is the one compiled for. "": the server's IPUs, of ``ipu_model.version``.
 
     Example:
         >>> cfg = IPUConfig()
@@ -251,28 +602,46 @@ class IPUConfig(_Section):
     """
 
     _path = "IPUConfig"
-
-    def __init__(self) -> None:
-        object.__setattr__(
-            self,
-            "_fields",
-            {
-                "auto_select_ipus": 1,
-                "ipu_model": IpuModelOptions(),
-                "server_address": None,
-                "floating_point_behaviour": FloatingPointBehaviour(),
-                "matmuls": MatmulOptions(),
-                "convolutions": ConvolutionOptions(),
-                "debug": DebugOptions(),
-                "device_connection": DeviceConnectionOptions(),
-                "connect_timeout": 5.0,
-                "server_token": None,
-                "server_tls_ca": None,
-                "run_deadline": 0.0,
-                "data_path": "auto",
-            },
-        )
-        super().__init__()
+    _fields = {
+        "auto_select_ipus": 1,
+        "select_ipus": [],
+        "ipu_model": IpuModelOptions,
+        "server_address": None,
+        "floating_point_behaviour": FloatingPointBehaviour,
+        "matmuls": MatmulOptions,
+        "convolutions": ConvolutionOptions,
+        "slices": SliceOptions,
+        "pooling": PoolingOptions,
+        "norms": NormOptions,
+        "io_tiles": IOTilesOptions,
+        "optimizations": OptimizationOptions,
+        "scheduling": SchedulingOptions,
+        "experimental": ExperimentalOptions,
+        "debug": DebugOptions,
+        "device_connection": DeviceConnectionOptions,
+        "allow_recompute": False,
+        "selection_order": SelectionOrder.AUTO,
+        "serialization_output_folder": "",
+        "compilation_poplar_options": {},
+        "gcl_poplar_options": {},
+        "connect_timeout": 5.0,
+        "server_token": None,
+        "server_tls_ca": None,
+        "run_deadline": 0.0,
+        "data_path": "auto",
+        "executable_cache_path": "",
+        "system": "",
+    }
+    _notes = {
+        "allow_recompute": (Effect.KEPT, "the tile model charges every activation as kept "
+                            "until its gradient uses it (no recomputation)"),
+        "selection_order": (Effect.KEPT, "each device call runs on one IPU"),
+        "serialization_output_folder": (
+            Effect.IGNORED, "set IPUConfig.executable_cache_path (or --executable_cache_path "
+            "in $TF_POPLAR_FLAGS) to keep compiled programs on disk"),
+        "compilation_poplar_options": (Effect.IGNORED, "the emulator is not Poplar's engine"),
+        "gcl_poplar_options": (Effect.IGNORED, "each device call runs on one IPU"),
+    }
 
     def _check(self, name: str, value: Any) -> Any:
         if name == "auto_select_ipus":
@@ -283,14 +652,25 @@ class IPUConfig(_Section):
                         f"Received: auto_select_ipus={value!r}"
                     )
                 value = value[0]
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(
                     f"IPUConfig.auto_select_ipus must be an int >= 1. "
                     f"Received: auto_select_ipus={value!r}"
                 )
-        if name in ("ipu_model", "floating_point_behaviour", "matmuls", "convolutions", "debug",
-                    "device_connection"):
-            raise AttributeError(f"IPUConfig.{name} is a group: set its fields instead.")
+            return value
+        if name == "select_ipus":
+            indices = list(value) if isinstance(value, (list, tuple)) else [value]
+            if (len(indices) > 1 or not all(isinstance(i, int) and not isinstance(i, bool)
+                                            and i >= 0 for i in indices)):
+                raise ValueError(
+                    "IPUConfig.select_ipus must be one IPU index >= 0 (an int or a "
+                    f"one-element list; [] for none). Received: select_ipus={value!r}"
+                )
+            return indices
+        if name in ("compilation_poplar_options", "gcl_poplar_options"):
+            return _check_poplar_options(f"IPUConfig.{name}", value)
+        if name in ("allow_recompute", "selection_order", "serialization_output_folder"):
+            return super()._check(name, value)
         if name == "server_token" and value is not None and not isinstance(value, str):
             raise ValueError(f"IPUConfig.server_token must be a str. Received: {type(value).__name__}")
         if name == "server_tls_ca" and value is not None and not isinstance(value, (str, bytes)):
@@ -308,6 +688,19 @@ class IPUConfig(_Section):
                 f"IPUConfig.data_path must be one of {', '.join(map(repr, DATA_PATHS))}. "
                 f"Received: {value!r}"
             )
+        if name == "system":
+            if not isinstance(value, str) or (value and value.lower() not in hardware.SYSTEMS):
+                raise ValueError(
+                    f"IPUConfig.system must be '' (any IPUs of the server) or one of "
+                    f"{', '.join(sorted(hardware.SYSTEMS))}. Received: {value!r}"
+                )
+            return value.lower()
+        if name == "executable_cache_path" and not isinstance(value, (str, os.PathLike)):
+            raise ValueError(
+                f"IPUConfig.executable_cache_path must be a folder path. Received: {value!r}"
+            )
+        if name == "executable_cache_path":
+            value = os.fspath(value)
         if name == "server_address" and value is not None:
             value = str(value)
             if ":" not in value:
@@ -315,6 +708,42 @@ class IPUConfig(_Section):
                     f"IPUConfig.server_address must be 'host:port'. Received: {value!r}"
                 )
         return value
+
+    def check_consistency(self) -> None:
+        """Raises ValueError for options that contradict each other (checked when the system
+        is configured, as Graphcore does)."""
+        if self.system:
+            system = hardware.get_system(self.system)
+            if self.ipu_model.was_set("version") and \
+                    IPU_VERSIONS[self.ipu_model.version] != system.ipu_version:
+                raise ValueError(
+                    f"IPUConfig.system {self.system!r} has {system.product} IPUs "
+                    f"({system.ipu_version!r}) but ipu_model.version is "
+                    f"{self.ipu_model.version!r}: set one of them to match the other."
+                )
+            if self.auto_select_ipus > system.num_ipus:
+                raise ValueError(
+                    f"IPUConfig.auto_select_ipus is {self.auto_select_ipus} but the "
+                    f"{self.system} system has {system.num_ipus} IPUs: ask for at most "
+                    f"{system.num_ipus}, or choose a larger system."
+                )
+        if self.select_ipus and self.auto_select_ipus != 1:
+            raise ValueError(
+                f"IPUConfig: only one of auto_select_ipus ({self.auto_select_ipus}) and "
+                f"select_ipus ({self.select_ipus}) can be set: set select_ipus = [] to attach "
+                f"{self.auto_select_ipus} IPUs, or auto_select_ipus = 1 to attach IPU "
+                f"{self.select_ipus[0]}."
+            )
+        if self.io_tiles.place_ops_on_io_tiles and self.io_tiles.num_io_tiles == 0:
+            raise ValueError("IPUConfig.io_tiles.place_ops_on_io_tiles needs "
+                             "IPUConfig.io_tiles.num_io_tiles > 0 (it is 0).")
+        group = self.norms.experimental.distributed_batch_norm_replica_group_size
+        if self.io_tiles.num_io_tiles > 0 and group > 1:
+            raise ValueError(
+                "IPUConfig.norms.experimental.distributed_batch_norm_replica_group_size "
+                f"({group}) cannot be used with I/O tiles (io_tiles.num_io_tiles="
+                f"{self.io_tiles.num_io_tiles}): set one of them back to its default."
+            )
 
     @property
     def resolved_data_path(self) -> str:
@@ -327,6 +756,14 @@ class IPUConfig(_Section):
                 )
             return env
         return self.data_path
+
+    @property
+    def resolved_executable_cache_path(self) -> str:
+        """``executable_cache_path``, else ``--executable_cache_path`` in ``$TF_POPLAR_FLAGS``,
+        else "" (no disk cache)."""
+        if self.executable_cache_path:
+            return self.executable_cache_path
+        return poplar_flag("executable_cache_path")
 
     @property
     def resolved_server_address(self) -> str | None:
@@ -343,14 +780,17 @@ class IPUConfig(_Section):
     def compile_numerics(self) -> dict[str, Any]:
         """The numerics options every compile sends (``DeviceClient.compile`` keywords)."""
         return {
-            "matmul_partials_type": self.matmuls.partials_type,
-            "convolution_partials_type": self.convolutions.partials_type,
-            "floating_point_behaviour": self.floating_point_behaviour._as_dict(),
+            "matmul_partials_type": self.matmuls.effective_partials_type,
+            "convolution_partials_type": self.convolutions.effective_partials_type,
+            "floating_point_behaviour": self.floating_point_behaviour.flags(),
         }
 
     @property
     def ipu_version(self) -> str:
-        """The canonical architecture name ("ipu1", "ipu2" or "bow")."""
+        """The canonical architecture name ("ipu1", "ipu2" or "bow"): the system's IPUs' if
+        ``system`` is set, else ``ipu_model.version``'s."""
+        if self.system:
+            return hardware.get_system(self.system).ipu_version
         return IPU_VERSIONS[self.ipu_model.version]
 
     def configure_ipu_system(self) -> None:
@@ -362,9 +802,21 @@ class IPUConfig(_Section):
         """
         from tf_ipu import runtime
 
+        self.check_consistency()
         runtime.get_runtime().configure(self)
+
+
+def poplar_flag(name: str) -> str:
+    """The value of ``--<name>=...`` (or ``--<name> ...``) in ``$TF_POPLAR_FLAGS``; "" if absent."""
+    words = os.environ.get(POPLAR_FLAGS_ENV, "").split()
+    for k, word in enumerate(words):
+        if word.startswith(f"--{name}="):
+            return word.split("=", 1)[1]
+        if word == f"--{name}" and k + 1 < len(words) and not words[k + 1].startswith("--"):
+            return words[k + 1]
+    return ""
 
 
 def default_tiles(version: str) -> int:
     """Full tile count of a canonical architecture name."""
-    return _TILES[IPU_VERSIONS[version]]
+    return hardware.VERSIONS[IPU_VERSIONS[version]].tiles

@@ -26,6 +26,10 @@ the server that said it, and the server's refinement of the code (``kind``, e.g.
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
+
 # gRPC status codes by name (the same numbers as TF/absl status codes).
 GRPC_CODES: dict[str, int] = {
     "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4,
@@ -213,3 +217,25 @@ __all__ = [
     "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
     "ResourceExhaustedError", "UnauthenticatedError", "UnsupportedOpError", "from_status",
 ]
+
+
+# What the IpuExecute kernel says when the runtime's device call failed (ops/cc/kernels).
+_KERNEL_FAILURE = re.compile(
+    r"IpuExecute: (?:the device failed to run the program|could not register the program "
+    r"with the device): (?P<device>.*?)(?:\n\t \[\[|\s*\[Op:|$)", re.DOTALL)
+
+
+@contextlib.contextmanager
+def plain_device_errors() -> Iterator[None]:
+    """Re-raises a ``tf.errors.OpError`` from a failed IpuExecute as the same TF error class
+    with the device's message alone: without TensorFlow's "Graph execution error" and the
+    traceback of where the op was defined, which point at tf_ipu's code, not the user's."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.OpError as e:
+        found = _KERNEL_FAILURE.search(e.message or "")
+        if found is None:
+            raise
+        raise type(e)(e.node_def, e.op, found.group("device").strip()) from None

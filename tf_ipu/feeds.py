@@ -8,7 +8,8 @@
 
 An iterator argument of ``strategy.run`` is replaced, while ``fn`` is lowered, by a
 ``DeviceIterator`` whose ``next`` pulls from an infeed of the session named after the
-argument's position; while the call runs, a ``Feeder`` pushes the real iterator's elements
+argument's position (an ``IPUInfeedQueue`` that ``fn`` reaches through its closure instead
+pulls from an infeed named after the queue, found while lowering: ``collecting_infeeds``); while the call runs, a ``Feeder`` pushes the real iterator's elements
 there (a few ahead of what the device has taken; what it pushed and the device did not take
 waits for the next call). An outfeed's ``enqueue`` inside ``fn`` hands values to the
 session's outfeed of that name; the call's reply carries them, stacked, and ``deliver`` keeps
@@ -17,6 +18,7 @@ them until the host dequeues.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +34,7 @@ AHEAD = 8
 
 _lock = threading.Lock()
 _outfeeds: dict[str, list[tuple[int, list[np.ndarray]]]] = {}
+_lowering = threading.local()  # .found: the infeed queues met while a device fn is lowered
 
 
 def is_host_iterator(value: Any) -> bool:
@@ -72,6 +75,46 @@ class DeviceIterator:
             backend_config=f"{self.feed}|strict", has_side_effect=True,
         )
         return tf.nest.pack_sequence_as(self.element_spec, list(got[1:]))
+
+
+@contextlib.contextmanager
+def scratch_trace() -> Iterator[None]:
+    """Marks a trace whose graph is thrown away (one traced to learn a step's output
+    structure): what an outfeed queue is given there does not count as enqueued."""
+    _lowering.scratch = getattr(_lowering, "scratch", 0) + 1
+    try:
+        yield
+    finally:
+        _lowering.scratch -= 1
+
+
+def in_scratch_trace() -> bool:
+    """Whether the code running is traced into a graph that will be thrown away."""
+    return getattr(_lowering, "scratch", 0) > 0
+
+
+@contextlib.contextmanager
+def collecting_infeeds() -> Iterator[dict[str, Any]]:
+    """While a device function is lowered: collects the infeed queues its code takes from
+    without having been given them as arguments (a queue the function's closure holds), as
+    ``{feed: queue}``, so that the call feeds them too."""
+    previous = getattr(_lowering, "found", None)
+    found: dict[str, Any] = {}
+    _lowering.found = found
+    try:
+        yield found
+    finally:
+        _lowering.found = previous
+
+
+def next_while_lowering(queue: Any, feed: str, element_spec: Any) -> Any:
+    """``next(queue)`` inside a device function being lowered: the next element of infeed
+    ``feed`` (and ``queue`` joins the call's infeeds); None when nothing is being lowered."""
+    found = getattr(_lowering, "found", None)
+    if found is None:
+        return None
+    found[feed] = queue
+    return DeviceIterator(feed, element_spec).get_next()
 
 
 def enqueue_outfeed(feed: str, values: list[tf.Tensor]) -> None:

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from device_server.protocol import DEVICE_LOOP_NAME, INFEED_TARGET
-from tf_ipu import interrupt
+from tf_ipu import accumulation, errors, feeds, interrupt, notices
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
@@ -57,8 +57,12 @@ def install() -> None:
         _ORIGINALS[attr] = original
 
         def make(self: Any, force: bool = False, _kind: str = kind, _orig: Any = original) -> Any:
+            if _kind == "train":
+                accumulation.prepare(self)  # on the CPU too: Keras's own accumulation
             if not _is_ipu_model(self):
                 return _orig(self, force=force)
+            if _kind == "train":
+                accumulation.check_steps(self, max(1, int(self.steps_per_execution)))
             name = f"{_kind}_function"
             current = getattr(self, name, None)
             if (
@@ -74,6 +78,13 @@ def install() -> None:
 
         setattr(TensorFlowTrainer, attr, make)
     TensorFlowTrainer.set_infeed_queue_options = set_infeed_queue_options
+    TensorFlowTrainer.set_outfeed_queue_options = set_outfeed_queue_options
+    TensorFlowTrainer.set_asynchronous_callbacks = set_asynchronous_callbacks
+    TensorFlowTrainer.set_gradient_accumulation_options = (
+        accumulation.set_gradient_accumulation_options)
+    from tf_ipu import serving  # Graphcore's model.export_for_ipu_serving
+
+    TensorFlowTrainer.export_for_ipu_serving = serving.export_for_ipu_serving
     _install_sync_points()
 
 
@@ -122,13 +133,36 @@ def set_infeed_queue_options(self: Any, prefetch_depth: int | None = None,
             f"set_infeed_queue_options: prefetch_depth must be an int >= 0 (or None). "
             f"Received: prefetch_depth={prefetch_depth!r}"
         )
-    if kwargs:
-        _log.warning("tf_ipu: set_infeed_queue_options(%s) has no effect here (only "
-                     "prefetch_depth and device_pull do).",
-                     ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+    for name, value in kwargs.items():
+        notices.once(f"set_infeed_queue_options({name}={value!r})",
+                     "has no effect here (only prefetch_depth and device_pull do).")
     setattr(self, _PREFETCH_ATTR, prefetch_depth)
     if device_pull is not None:
         setattr(self, _DEVICE_PULL_ATTR, bool(device_pull))
+
+
+def set_outfeed_queue_options(self: Any, **kwargs: Any) -> None:
+    """Graphcore's ``model.set_outfeed_queue_options``: options of the outfeed queue that
+    carries ``fit``/``evaluate``/``predict`` results to the host (``buffer_depth``, ...).
+    Here results come back with the reply of each device call, so no option changes
+    anything; each is accepted and named in one warning."""
+    for name, value in kwargs.items():
+        notices.once(f"set_outfeed_queue_options({name}={value!r})",
+                     "has no effect here: results come back with each device call's reply.")
+
+
+def set_asynchronous_callbacks(self: Any, asynchronous: bool = False) -> None:
+    """Graphcore's ``model.set_asynchronous_callbacks``: with ``asynchronous=True`` Graphcore
+    calls batch callbacks after every step from a polling thread. Here callbacks run once a
+    device call (every ``steps_per_execution`` steps), as Keras calls them; True is accepted
+    and said once to have no effect."""
+    if not isinstance(asynchronous, bool):
+        raise ValueError(f"set_asynchronous_callbacks: asynchronous must be a bool. "
+                         f"Received: {asynchronous!r}")
+    if asynchronous:
+        notices.once("set_asynchronous_callbacks(True)",
+                     "has no effect here: batch callbacks run once per device call (every "
+                     "steps_per_execution steps), with that call's logs.")
 
 
 def sync_weights(model: Any, where: str) -> None:
@@ -244,7 +278,8 @@ class IPUStepFunction:
             groups = self._group(batches)
         if not groups:
             raise StopIteration
-        outputs = [self._run_group(*g) for g in groups]
+        with errors.plain_device_errors():
+            outputs = [self._run_group(*g) for g in groups]
         if self.kind != "predict":
             return outputs[-1]
         result = outputs[0]
@@ -557,7 +592,7 @@ class IPUStepFunction:
             )
             return got[0], list(got[1:])
 
-        with strategy.lowering():
+        with strategy.lowering(), feeds.scratch_trace():
             out_spec = tf.function(lambda *v: one_step(list(v))).get_concrete_function(
                 *leaf_specs).structured_outputs
         flat_spec = tf.nest.flatten(out_spec)
@@ -589,6 +624,8 @@ class IPUStepFunction:
     def _run_group(self, structure: Any, stacked: list[tf.Tensor], k: int) -> Any:
         """One device call over ``k`` stacked batches (padded to N)."""
         n = self.steps_per_execution
+        if self.kind == "train":
+            accumulation.check_call(self.model, k, n)
         present = [i for i, x in enumerate(tf.nest.flatten(structure)) if x is not None]
         if k < n:
             stacked = [
@@ -602,6 +639,8 @@ class IPUStepFunction:
         if entry is None:
             entry = self._lower(structure, present, stacked)
             self._programs[key] = entry
+            if self.kind == "train" and stacked and stacked[0].shape.rank > 1:
+                accumulation.log_effective_batch(self.model, int(stacked[0].shape[1]))
         _, runner = entry
         with interrupt.deferred_interrupt():  # Ctrl-C: KeyboardInterrupt once the call stops
             result = runner(tf.constant(k, tf.int32), *stacked)
@@ -649,7 +688,7 @@ class IPUStepFunction:
         # The step's results (logs, or predictions): their structure, dtypes and shapes give
         # the loop its initial state, so that the program holds the step once, in the loop
         # body. Found by tracing one step in a scratch graph (not lowered, not compiled).
-        with strategy.lowering():
+        with strategy.lowering(), feeds.scratch_trace():
             out_spec = tf.function(lambda *flat: one_step(flat, 0)).get_concrete_function(
                 *specs[1:]
             ).structured_outputs

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended
 
+from tf_ipu import errors, notices
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
 _state = threading.local()
@@ -30,6 +31,17 @@ _state = threading.local()
 
 def _lowering_depth() -> int:
     return getattr(_state, "depth", 0)
+
+
+def _after_operation(value: Any) -> Any:
+    """``value``, or for an operation its first output (a loop's: its iteration count), or
+    a scalar 0 computed after it. A data dependency: XLA keeps only what outputs use."""
+    if not isinstance(value, tf.Operation):
+        return value
+    if value.outputs:
+        return tf.identity(value.outputs[0])
+    with tf.control_dependencies([value]):
+        return tf.constant(0, tf.int32)
 
 
 def _as_tensor(value: Any) -> tf.Tensor | None:
@@ -59,6 +71,11 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         config: optional ``IPUConfig``; if given and the system is not configured yet, it
             is configured on first use. Usually you call ``cfg.configure_ipu_system()``
             before creating the strategy, as with Graphcore's API.
+        ipu_device, cpu_device, enable_dataset_iterators, enable_keras_extensions:
+            Graphcore's arguments, accepted. The device is the one IPU device of this
+            process, iterators given to ``run`` always feed the device, and Keras always
+            runs its steps on the IPU; a value other than the default is named once in a
+            warning.
 
     Example:
         >>> cfg = tf_ipu.IPUConfig(); cfg.configure_ipu_system()
@@ -68,7 +85,20 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         ...     model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
     """
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: Any = None, ipu_device: str = "/device:IPU:0",
+                 cpu_device: str = "/device:CPU:0", enable_dataset_iterators: bool = True,
+                 enable_keras_extensions: bool = True) -> None:
+        if isinstance(config, str):  # Graphcore's first positional argument: ipu_device
+            config, ipu_device = None, config
+        for name, value, default in (
+                ("ipu_device", ipu_device, "/device:IPU:0"), ("cpu_device", cpu_device,
+                                                            "/device:CPU:0"),
+                ("enable_dataset_iterators", enable_dataset_iterators, True),
+                ("enable_keras_extensions", enable_keras_extensions, True)):
+            if value != default:
+                notices.once(f"IPUStrategy({name}={value!r})",
+                             "has no effect here: the strategy has one IPU device, iterators "
+                             "given to run() feed it, and Keras runs its steps on it.")
         super().__init__("/device:CPU:0")
         self.extended.__class__ = _IPUExtended
         self._ipu_config = config
@@ -79,6 +109,11 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
 
     def __repr__(self) -> str:
         return "IPUStrategy()"
+
+    def experimental_run_v2(self, fn: Callable, args: tuple = (), kwargs: dict | None = None,
+                            options: Any = None) -> Any:
+        """TF 2.1's name of ``run``, which Graphcore's older examples call."""
+        return self.run(fn, args=args, kwargs=kwargs, options=options)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -167,23 +202,35 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
             per_fn = self._run_cache.setdefault(fn, {})
         except TypeError:  # not weak-referenceable: no cache
             per_fn = {}
-        lowered: LoweredProgram | None = per_fn.get(key)
-        if lowered is None:
+        cached: tuple[LoweredProgram, dict[str, Any]] | None = per_fn.get(key)
+        if cached is None:
 
             def flat_fn(*tensors: tf.Tensor) -> Any:
                 given = iter(tensors)
                 values = [static[k] if k in static else next(given) for k in range(len(leaves))]
                 a, kw = tf.nest.pack_sequence_as(structure, values)
                 with self.lowering():
-                    return self.extended.call_for_each_replica(fn, args=a, kwargs=kw)
+                    out = self.extended.call_for_each_replica(fn, args=a, kwargs=kw)
+                # An operation (Graphcore's loops return one when nothing is loop-carried)
+                # is something to wait for: the call returns a value computed from it.
+                return tf.nest.map_structure(_after_operation, out)
 
-            lowered = lower_function(flat_fn, list(specs), f"run:{name}")
+            with feeds.collecting_infeeds() as queues:  # infeed queues fn's closure holds
+                lowered = lower_function(flat_fn, list(specs), f"run:{name}")
             from tf_ipu import runtime
 
             runtime.get_runtime().compile(lowered.program, lowered.signature)
-            per_fn[key] = lowered
+            cached = per_fn[key] = (lowered, queues)
+        lowered, queues = cached
+        if queues and tf.inside_function():
+            raise ValueError(
+                f"strategy.run({name}) takes from an infeed queue: call it eagerly (not inside "
+                f"a tf.function), so that the host can feed the device while it runs."
+            )
+        infeeds.update({feed: feeds.host_iterator(q) for feed, q in queues.items()})
         if not infeeds:
-            return call_lowered(lowered, flat)
+            with errors.plain_device_errors():
+                return call_lowered(lowered, flat)
         from tf_ipu import runtime
 
         client = runtime.get_runtime().client
@@ -191,7 +238,8 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
             feeders = [stack.enter_context(feeds.Feeder(client, feed, it))
                        for feed, it in infeeds.items()]
             try:
-                result = call_lowered(lowered, flat)
+                with errors.plain_device_errors():
+                    result = call_lowered(lowered, flat)
             except Exception:
                 stack.close()  # the feeders stop; one that failed says why the call did
                 for feeder in feeders:

@@ -5,6 +5,10 @@
       ipu.ipu_strategy.IPUStrategy              -> tf_ipu.IPUStrategy
       ipu.utils.reset_ipu_seed(...)             -> seeds of this process (utils.py)
       ipu.ipu_infeed_queue / ipu_outfeed_queue  -> infeeds and outfeeds (tf_ipu.feeds)
+      ipu.loops.repeat / while_loop             -> device loops over an infeed (loops.py)
+      ipu.serving.export_keras / export_single_step -> SavedModels for serving (tf_ipu.serving)
+    import keras; keras.ipu                     -> keras_ipu/ (also via ``from tensorflow import keras``)
+    ipu_tensorflow_addons.keras.layers          -> addons/ (Graphcore's IPU Keras layers)
 
 ``install()`` registers the package as ``tensorflow.python.ipu`` (and its modules under their
 Graphcore names) in ``sys.modules`` and on the ``tensorflow.python`` package, unless Graphcore's
@@ -18,11 +22,22 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tf_ipu.graphcore import config, ipu_infeed_queue, ipu_outfeed_queue, ipu_strategy, utils
+from tf_ipu.graphcore import (
+    addons,
+    config,
+    ipu_infeed_queue,
+    ipu_outfeed_queue,
+    ipu_strategy,
+    keras_ipu,
+    loops,
+    serving,
+    utils,
+)
 
 #: Graphcore's module names under ``tensorflow.python.ipu``, and ours.
 MODULES = {"config": config, "ipu_strategy": ipu_strategy, "utils": utils,
-           "ipu_infeed_queue": ipu_infeed_queue, "ipu_outfeed_queue": ipu_outfeed_queue}
+           "ipu_infeed_queue": ipu_infeed_queue, "ipu_outfeed_queue": ipu_outfeed_queue,
+           "loops": loops, "serving": serving}
 PACKAGE = "tensorflow.python.ipu"
 
 
@@ -38,8 +53,30 @@ def install() -> bool:
     for name, module in MODULES.items():
         sys.modules[f"{PACKAGE}.{name}"] = module
     tf_python.ipu = here
+    _install_keras_ipu()
+    addons.install()  # ipu_tensorflow_addons -> tf_ipu.graphcore.addons
     return True
 
 
-__all__ = ["MODULES", "PACKAGE", "config", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
-           "ipu_strategy", "utils"]
+def _install_keras_ipu() -> None:
+    """``keras.ipu`` (and ``keras._tf_keras.keras.ipu``, what ``from tensorflow import keras``
+    loads) -> ``keras_ipu``, unless the installed Keras has its own."""
+    import keras
+
+    if getattr(keras, "ipu", keras_ipu) is not keras_ipu:
+        return
+    parents = {"keras": keras}
+    try:
+        parents["keras._tf_keras.keras"] = importlib.import_module("keras._tf_keras.keras")
+    except ImportError:  # a Keras without TF's compatibility namespace
+        pass
+    for name, parent in parents.items():
+        parent.ipu = keras_ipu
+        sys.modules[f"{name}.ipu"] = keras_ipu
+        sys.modules[f"{name}.ipu.layers"] = keras_ipu.layers
+        sys.modules[f"{name}.ipu.optimizers"] = keras_ipu.optimizers
+        sys.modules[f"{name}.ipu.optimizers.als_optimizer"] = keras_ipu.optimizers.als_optimizer
+
+
+__all__ = ["MODULES", "PACKAGE", "addons", "config", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
+           "ipu_strategy", "keras_ipu", "loops", "serving", "utils"]

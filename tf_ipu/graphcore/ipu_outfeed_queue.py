@@ -46,13 +46,24 @@ class IPUOutfeedQueue:
         self.feed_name = feed_name or f"outfeed{next(_names)}"
         self._structure: Any = None
         self._specs: list[tf.TensorSpec] = []
+        self.enqueued = False  # Graphcore's flag: an enqueue is in a device program
 
     def enqueue(self, tensors: Any) -> None:
         """Inside a device function: hands ``tensors`` (a tensor or a nest) to the host."""
         flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(tensors)]
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
+        if self._structure is not None and (
+                specs != self._specs or not _same_structure(tensors, self._structure)):
+            raise ValueError(
+                f"IPUOutfeedQueue {self.feed_name!r} was given {self._specs} before and now "
+                f"{specs}: a queue carries values of one structure, shapes and dtypes "
+                f"(use another queue for these)."
+            )
         self._structure = tensors
-        self._specs = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
+        self._specs = specs
         feeds.enqueue_outfeed(self.feed_name, flat)
+        if not feeds.in_scratch_trace():  # a trace thrown away enqueues nothing
+            self.enqueued = True
 
     def dequeue(self) -> Any:
         """On the host: what was enqueued since the last dequeue (see the module docstring)."""
@@ -72,6 +83,14 @@ class IPUOutfeedQueue:
                        else np.zeros((0, *spec.shape), spec.dtype.as_numpy_dtype))
             leaves.append(tf.constant(stacked))
         return tf.nest.pack_sequence_as(self._structure, leaves)
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    try:
+        tf.nest.assert_same_structure(a, b)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 __all__ = ["IPUOutfeedMode", "IPUOutfeedQueue"]

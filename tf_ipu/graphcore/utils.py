@@ -3,6 +3,8 @@
 - ``move_variable_initialization_to_cpu()``: variables of this project are always created and
   initialized on the host (their newest values move to the device with the first call), so
   there is nothing to move; it returns at once.
+- ``DeviceConnectionType`` and ``configure_ipu_system(cfg)``: the older spellings of
+  ``ipu.config``'s, which ported code still reaches through ``ipu.utils``.
 - ``reset_ipu_seed(seed)``: seeds the random numbers of this process (Python's, numpy's,
   TensorFlow's and Keras's global seed), so that a model built after it draws the same
   weights and the same dropout masks as any other built after the same call.
@@ -11,6 +13,9 @@
 from __future__ import annotations
 
 from typing import Any
+
+from tf_ipu.config import DeviceConnectionType
+from tf_ipu.graphcore.config import configure_ipu_system
 
 
 def move_variable_initialization_to_cpu(graph: Any = None) -> None:
@@ -26,4 +31,5 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_seed: int | Non
     keras.utils.set_random_seed(int(seed if cpu_seed is None else cpu_seed))
 
 
-__all__ = ["move_variable_initialization_to_cpu", "reset_ipu_seed"]
+__all__ = ["DeviceConnectionType", "configure_ipu_system", "move_variable_initialization_to_cpu",
+           "reset_ipu_seed"]

@@ -108,7 +108,7 @@ class LoweredProgram:
 
 _NO_XLA_KERNEL = re.compile(
     r"(\w+) \(No registered '\w+' OpKernel for XLA_\w+ devices compatible with node "
-    r"\{\{node ([^}]+)\}\}")
+    r"(?:\{\{function_node [^}]+\}\})?\{\{node ([^}]+)\}\}")
 
 
 def _not_compilable(message: str, program: str) -> Exception | None:
@@ -120,6 +120,13 @@ def _not_compilable(message: str, program: str) -> Exception | None:
     found = dict.fromkeys(_NO_XLA_KERNEL.findall(message))  # in order, once each
     if not found:
         return None
+    if any(op_type == "IpuExecute" for op_type, _ in found):
+        return errors.UnsupportedOpError(
+            f"{program}: the function already runs on the IPU (it holds a device call, an "
+            f"IpuExecute op, e.g. a loaded serving function or a tf.function that calls "
+            f"strategy.run): call it directly, not through strategy.run.",
+            kind="not-compilable",
+        )
     named = []
     for op_type, node in found:
         layer = layer_of(node)

@@ -1,0 +1,14 @@
+"""``ipu.serving``: Graphcore's export functions for TensorFlow Serving (``tf_ipu.serving``).
+
+    from tensorflow.python.ipu import serving
+    serving.export_keras(model, export_dir, batch_size, ...)   == model.export_for_ipu_serving(...)
+    serving.export_single_step(predict_step, export_dir, iterations, ...)
+
+``export_pipeline`` is absent (pipelining is not here yet): an ``AttributeError``.
+"""
+
+from __future__ import annotations
+
+from tf_ipu.serving import export_keras, export_single_step
+
+__all__ = ["export_keras", "export_single_step"]

@@ -1,0 +1,581 @@
+"""Exporting models for serving: Graphcore's ``model.export_for_ipu_serving`` and
+``ipu.serving.export_keras`` / ``export_single_step``, on this project's serving path.
+
+    model.export_for_ipu_serving(export_dir, batch_size, output_names,
+                                 preprocessing_step, postprocessing_step, ...)
+      -> a tf.Module whose tf.function ``predict`` (input signature: the model's inputs, or
+         the preprocessing step's, with the batch size fixed) is
+             inputs --preprocessing_step (host CPU)--> model inputs
+                    --strategy.run(model)-----------> one IpuExecute op (the lowered program)
+                    --postprocessing_step (host CPU)--> outputs (dict if output_names)
+      -> tf.saved_model.save(module, export_dir), signature "serving_default" = predict
+      <- returns ``predict``, a tf.function that runs the same program in this process
+
+    elsewhere:  import tf_ipu; loaded = tf.saved_model.load(export_dir)
+                loaded.signatures["serving_default"](input_1=..., ...)   -> {"output_0": ...}
+                loaded.predict(x1, x2)                                 -> the model's outputs
+
+Steps that can run on the IPU belong inside the model (Keras layers): they are lowered with it
+into the device program. ``preprocessing_step`` and ``postprocessing_step`` run on the host,
+as in Graphcore's SDK, so they may use ops XLA cannot compile (strings, random draws).
+
+Where this differs from Graphcore's: the program is not a Poplar executable in the
+SavedModel's assets but the IpuExecute op's lowered program, and the model's weights are
+saved as variables beside it (Graphcore froze them into constants), read at each call; so
+the returned function uses the model's current weights if it is trained further.
+``steps_per_execution`` (Graphcore's loop over requests held by the device) and
+``iterations`` have no effect: each call of the serving function is one device call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+#: The SavedModel signature the serving function is saved under (TensorFlow Serving's
+#: default, as in Graphcore's exports).
+SIGNATURE_KEY = tf.saved_model.DEFAULT_SERVING_SIGNATURE_DEF_KEY
+
+Signature = Sequence[tf.TensorSpec]
+
+
+# -- argument checks -------------------------------------------------------------------------
+
+
+def _check_export_dir(export_dir: Any, purge_export_dir: bool, what: str) -> str:
+    """``export_dir`` as a path; an existing non-empty directory is an error unless
+    ``purge_export_dir`` (``_export`` empties it once the serving function is traced)."""
+    try:
+        path = os.fspath(export_dir)
+    except TypeError:
+        raise TypeError(f"{what}: export_dir must be a path (str or os.PathLike). "
+                        f"Received: export_dir={export_dir!r}") from None
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{what}: export_dir must be a non-empty path. "
+                         f"Received: export_dir={export_dir!r}")
+    if not isinstance(purge_export_dir, bool):
+        raise TypeError(f"{what}: purge_export_dir must be a bool. "
+                        f"Received: purge_export_dir={purge_export_dir!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{what}: export_dir {path!r} is a file, not a directory.")
+    if os.path.isdir(path) and os.listdir(path) and not purge_export_dir:
+        raise ValueError(f"{what}: directory {path!r} is not empty. Give an empty or new "
+                         f"directory, or purge_export_dir=True to empty it first.")
+    return path
+
+
+def _check_signature(signature: Any, name: str, what: str) -> list[tf.TensorSpec] | None:
+    """A step's signature argument: None, or a non-empty tuple/list of TensorSpecs."""
+    if signature is None:
+        return None
+    if not isinstance(signature, (tuple, list)):
+        raise TypeError(f"{what}: {name} must be a tuple or list of tf.TensorSpec. "
+                        f"Received: {name}={signature!r}")
+    if not signature:
+        raise ValueError(f"{what}: {name} must not be empty. Received: {name}={signature!r}")
+    for i, spec in enumerate(signature):
+        if not isinstance(spec, tf.TensorSpec):
+            raise TypeError(f"{what}: {name}[{i}] must be a tf.TensorSpec. "
+                            f"Received: {spec!r}")
+    return list(signature)
+
+
+def _check_callable(fn: Any, name: str, what: str) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{what}: {name} must be a function (or a tf.function). "
+                        f"Received: {name}={fn!r}")
+
+
+def _check_output_names(output_names: Any, what: str) -> list[str] | None:
+    if output_names is None:
+        return None
+    if isinstance(output_names, str):
+        output_names = [output_names]
+    if not isinstance(output_names, (list, tuple)) or not all(
+            isinstance(n, str) and n for n in output_names):
+        raise TypeError(f"{what}: output_names must be a string or a list of non-empty "
+                        f"strings. Received: output_names={output_names!r}")
+    if len(set(output_names)) != len(output_names):
+        raise ValueError(f"{what}: output_names must be distinct. "
+                         f"Received: output_names={list(output_names)!r}")
+    return list(output_names)
+
+
+def _batch_size(batch_size: Any, what: str) -> int | None:
+    """Graphcore's ``batch_size``: an int, or an integer scalar tensor/array, > 0."""
+    if batch_size is None:
+        return None
+    value = batch_size
+    if tf.is_tensor(value) or isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if array.shape == () and np.issubdtype(array.dtype, np.integer):
+            value = int(array)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what}: batch_size must be a positive int. "
+                         f"Received: batch_size={batch_size!r}")
+    return value
+
+
+def _step_signature(fn: Callable[..., Any],
+                    given: list[tf.TensorSpec] | None) -> list[tf.TensorSpec] | None:
+    """The signature given for a step, or its tf.function's ``input_signature``."""
+    if given is not None:
+        return given
+    declared = getattr(fn, "input_signature", None)
+    if declared is None:
+        return None
+    return list(declared)
+
+
+def _arg_names(fn: Callable[..., Any], count: int) -> list[str] | None:
+    """The names of ``fn``'s first ``count`` positional parameters, if it has that many
+    (Graphcore names the SavedModel's inputs after them)."""
+    target = getattr(fn, "python_function", fn)
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in kinds]
+    if len(names) < count:
+        return None
+    return names[:count]
+
+
+def _named(specs: Sequence[tf.TensorSpec], names: Sequence[str] | None) -> list[tf.TensorSpec]:
+    """``specs`` renamed (distinct names, so that each is one input of the signature)."""
+    chosen = list(names) if names is not None else [s.name for s in specs]
+    if any(not n for n in chosen) or len(set(chosen)) != len(chosen):
+        chosen = [f"input_{i}" for i in range(len(specs))]
+    return [tf.TensorSpec(s.shape, s.dtype, name=n) for s, n in zip(specs, chosen, strict=True)]
+
+
+def _unnamed(specs: Sequence[tf.TensorSpec]) -> list[tf.TensorSpec]:
+    return [tf.TensorSpec(s.shape, s.dtype) for s in specs]
+
+
+def _fully_defined(specs: Sequence[tf.TensorSpec], what: str, where: str) -> None:
+    for i, s in enumerate(specs):
+        if not s.shape.is_fully_defined():
+            raise ValueError(
+                f"{what}: {where} input {i} ({s.name or 'unnamed'}) has shape {s.shape}; an "
+                f"exported program has static shapes. Give every dimension (the batch size: "
+                f"batch_size=..., or the model's Input(batch_size=...)).")
+
+
+def _match(values: Sequence[Any], specs: Sequence[tf.TensorSpec], source: str, target: str,
+           what: str) -> list[tf.Tensor]:
+    """``values`` (what ``source`` returned) checked against ``target``'s signature; shapes
+    that are only compatible are pinned to the signature's."""
+    if len(values) != len(specs):
+        raise ValueError(f"{what}: {source} returns {len(values)} tensors, but {target} "
+                         f"takes {len(specs)} ({list(specs)}).")
+    out = []
+    for i, (value, spec) in enumerate(zip(values, specs, strict=True)):
+        if not tf.is_tensor(value):
+            raise ValueError(f"{what}: {source} returns {value!r} at position {i}, not a "
+                             f"tensor.")
+        if value.dtype != spec.dtype or not value.shape.is_compatible_with(spec.shape):
+            raise ValueError(
+                f"{what}: {source} returns a tensor of shape {value.shape} and dtype "
+                f"{value.dtype.name} at position {i}, but {target} takes shape "
+                f"{spec.shape} and dtype {spec.dtype.name} there.")
+        if not value.shape.is_fully_defined():
+            value = tf.ensure_shape(value, spec.shape)
+        out.append(value)
+    return out
+
+
+def _as_function(fn: Callable[..., Any], signature: list[tf.TensorSpec] | None) -> Any:
+    """``fn`` as a tf.function (a host step traced once into the serving function)."""
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        return fn
+    return tf.function(fn, input_signature=signature)
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+# -- the serving module ----------------------------------------------------------------------
+
+
+class _ServingModule(tf.Module):
+    """What the SavedModel holds: the serving function ``predict`` and what it uses."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name)
+
+
+def _export(
+    what: str,
+    export_dir: str,
+    strategy: Any,
+    device_fn: Callable[..., Any],
+    device_label: str,
+    device_signature: list[tf.TensorSpec],
+    input_signature: list[tf.TensorSpec],
+    output_names: list[str] | None,
+    preprocessing_step: Callable[..., Any] | None,
+    postprocessing_step: Callable[..., Any] | None,
+    postprocessing_signature: list[tf.TensorSpec] | None,
+    keep: dict[str, Any],
+) -> Any:
+    """Builds the serving function, saves it under ``export_dir``, returns it.
+
+    ``device_fn`` takes one tensor per ``device_signature`` spec and runs through
+    ``strategy.run`` (one IpuExecute op); the steps run on the host around it. ``keep``: the
+    objects the SavedModel must hold (a model: its variables).
+    """
+    pre = post = None
+    step_variables: list[tf.Variable] = []
+    if preprocessing_step is not None:
+        pre = _as_function(preprocessing_step, input_signature)
+        step_variables += list(pre.get_concrete_function(*_unnamed(input_signature)).variables)
+    if postprocessing_step is not None:
+        post = _as_function(postprocessing_step, postprocessing_signature)
+    traced: dict[str, list[tf.TensorSpec]] = {}
+
+    def predict(*args: tf.Tensor) -> Any:
+        values = list(args)
+        if pre is not None:
+            values = _match(_as_tuple(pre(*values)), device_signature, "preprocessing_step",
+                            device_label, what)
+        out = strategy.run(device_fn, args=tuple(values))
+        if post is not None:
+            flat = tf.nest.flatten(out)
+            if postprocessing_signature is not None:
+                flat = _match(flat, postprocessing_signature, device_label,
+                              "postprocessing_step", what)
+            traced["post"] = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
+            out = post(*flat)
+        if output_names is not None:
+            flat = tf.nest.flatten(out)
+            if len(flat) != len(output_names):
+                raise ValueError(f"{what}: output_names names {len(output_names)} outputs "
+                                 f"({output_names}), but the exported function returns "
+                                 f"{len(flat)}.")
+            return dict(zip(output_names, flat, strict=True))
+        return out
+
+    predict.__name__ = "predict"
+    module = _ServingModule(name="ipu_serving")
+    for attr, obj in keep.items():
+        setattr(module, attr, obj)
+    module.predict = tf.function(predict, input_signature=input_signature)
+    concrete = module.predict.get_concrete_function()  # lowers and compiles the program
+    if post is not None:
+        step_variables += list(post.get_concrete_function(*traced["post"]).variables)
+    # Variables the device program reads (a model's, or a predict_step's closure's) and the
+    # host steps read: the SavedModel saves them and the loaded function restores them.
+    device_variables = [v for lowered, _ in strategy._run_cache.get(device_fn, {}).values()
+                        for v in lowered.variables]
+    module.variables_used = list({id(v): v for v in device_variables + step_variables}.values())
+    if os.path.isdir(export_dir) and os.listdir(export_dir):  # purge_export_dir=True
+        shutil.rmtree(export_dir)
+    tf.saved_model.save(module, export_dir, signatures={SIGNATURE_KEY: concrete})
+    return module.predict
+
+
+def _ipu_strategy_of(model: Any, what: str) -> Any:
+    from tf_ipu.strategy import IPUStrategy
+
+    strategy = getattr(model, "_distribute_strategy", None)
+    if not isinstance(strategy, IPUStrategy):
+        name = getattr(model, "name", type(model).__name__)
+        raise ValueError(
+            f"{what}: model {name!r} was not created inside an IPU strategy "
+            f"(its strategy is {type(strategy).__name__ if strategy is not None else 'none'}). "
+            f"Create it in `with IPUStrategy().scope():`.")
+    return strategy
+
+
+def _keras_inputs(model: Any, what: str) -> tuple[list[tf.TensorSpec], Any]:
+    """The model's inputs (specs named after its Input layers) and their structure."""
+    import keras
+
+    name = getattr(model, "name", type(model).__name__)
+    try:
+        inputs = list(model.inputs)
+    except (AttributeError, ValueError):
+        inputs = []
+    if inputs:
+        specs = []
+        for i, t in enumerate(inputs):
+            history = getattr(t, "_keras_history", None)
+            layer = getattr(history, "operation", None) if history is not None else None
+            input_name = getattr(layer, "name", None) or getattr(t, "name", None) or f"input_{i}"
+            specs.append(tf.TensorSpec(tf.TensorShape(t.shape), tf.as_dtype(t.dtype),
+                                       name=input_name))
+        structure = getattr(model, "_inputs_struct", None)
+        if structure is None:
+            structure = inputs[0] if len(inputs) == 1 else inputs
+        return specs, structure
+    shapes = getattr(model, "_build_shapes_dict", None)
+    if model.built and shapes and len(shapes) == 1:
+        shape = next(iter(shapes.values()))
+
+        def is_shape(s: Any) -> bool:
+            return isinstance(s, (tuple, list)) and all(
+                d is None or isinstance(d, int) for d in s)
+
+        structure = shape if is_shape(shape) else None
+        leaves = [shape] if structure is not None else None
+        if structure is None and isinstance(shape, (tuple, list)) and all(map(is_shape, shape)):
+            structure, leaves = list(shape), list(shape)
+        if leaves is not None:
+            dtype = tf.as_dtype(getattr(model, "input_dtype", None) or keras.backend.floatx())
+            specs = [tf.TensorSpec(tf.TensorShape(s), dtype, name=f"input_{i + 1}")
+                     for i, s in enumerate(leaves)]
+            return specs, (specs[0] if is_shape(shape) else specs)
+    raise ValueError(
+        f"{what}: the input shapes of model {name!r} are not known. Build it first: "
+        f"model.build(input_shape), Input layers, or a call on data.")
+
+
+# -- public functions ------------------------------------------------------------------------
+
+
+def export_keras(
+    model: Any,
+    export_dir: str | os.PathLike[str],
+    batch_size: int | None = None,
+    output_names: str | Sequence[str] | None = None,
+    preprocessing_step: Callable[..., Any] | None = None,
+    preprocessing_step_signature: Signature | None = None,
+    postprocessing_step: Callable[..., Any] | None = None,
+    postprocessing_step_signature: Signature | None = None,
+    purge_export_dir: bool = False,
+) -> Any:
+    """Exports a Keras model built under ``IPUStrategy`` as a SavedModel for serving.
+
+    Graphcore's ``ipu.serving.export_keras`` (and ``model.export_for_ipu_serving``, the same
+    with the model as ``self``).
+
+    Args:
+        model: a built Keras model created in an ``IPUStrategy``'s scope.
+        export_dir: where the SavedModel is written: a new or empty directory.
+        batch_size: the batch size of the exported program. Without it, the model's own
+            (``Input(batch_size=...)``, or ``model.build((batch, ...))``) is used, and a model
+            without one is an error.
+        output_names: a name, or a list of names, for the outputs: the serving function
+            then returns a dict and the signature's outputs are so named. Without it they
+            are ``output_0``, ``output_1``, ... in the signature and the function returns
+            what the model (or ``postprocessing_step``) returns.
+        preprocessing_step: a function run on the host before the model; it returns the
+            model's inputs. It gives the SavedModel its inputs, named after its arguments.
+        preprocessing_step_signature: its input ``tf.TensorSpec``s; may be omitted when
+            ``preprocessing_step`` is a ``tf.function`` with an ``input_signature``.
+        postprocessing_step: a function run on the host after the model, on its flattened
+            outputs.
+        postprocessing_step_signature: its input specs (checked against the model's
+            outputs); optional.
+        purge_export_dir: empty a non-empty ``export_dir`` first (otherwise an error).
+
+    Returns:
+        The serving ``tf.function`` (what the SavedModel holds as ``predict`` and under the
+        ``serving_default`` signature), callable here with the inputs.
+
+    Example:
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,), batch_size=2), keras.layers.Dense(3)])
+        >>> serve = model.export_for_ipu_serving("exported")       # doctest: +SKIP
+        >>> serve(np.ones((2, 4), np.float32))                     # doctest: +SKIP
+    """
+    what = "export_for_ipu_serving"
+    strategy = _ipu_strategy_of(model, what)
+    _check_callable(preprocessing_step, "preprocessing_step", what)
+    _check_callable(postprocessing_step, "postprocessing_step", what)
+    pre_sig = _check_signature(preprocessing_step_signature, "preprocessing_step_signature", what)
+    post_sig = _check_signature(postprocessing_step_signature, "postprocessing_step_signature",
+                                what)
+    names = _check_output_names(output_names, what)
+    batch = _batch_size(batch_size, what)
+    path = _check_export_dir(export_dir, purge_export_dir, what)
+
+    specs, structure = _keras_inputs(model, what)
+    if batch is not None:
+        specs = [tf.TensorSpec([batch, *s.shape[1:]], s.dtype, name=s.name) if s.shape.rank
+                 else s for s in specs]
+    for i, s in enumerate(specs):
+        if s.shape.rank and s.shape[0] is None:
+            raise ValueError(
+                f"{what}: the batch size of model {model.name!r}'s input {i} ({s.name}, shape "
+                f"{s.shape}) is not known, and exported programs have static shapes. Pass "
+                f"batch_size=..., or give the model's Input a batch_size.")
+    _fully_defined(specs, what, f"model {model.name!r}'s")
+    specs = _named(specs, [s.name for s in specs])
+
+    input_signature = specs
+    if preprocessing_step is not None:
+        pre_specs = _step_signature(preprocessing_step, pre_sig)
+        if pre_specs is None:
+            raise ValueError(
+                f"{what}: the inputs of preprocessing_step {_fn_name(preprocessing_step)} are "
+                f"not known: make it a tf.function with an input_signature, or pass "
+                f"preprocessing_step_signature.")
+        _fully_defined(pre_specs, what, "preprocessing_step's")
+        input_signature = _named(pre_specs, _arg_names(preprocessing_step, len(pre_specs)))
+    post_specs = None
+    if postprocessing_step is not None:
+        post_specs = _step_signature(postprocessing_step, post_sig)
+
+    def serving_call(*xs: tf.Tensor) -> Any:
+        inputs = tf.nest.pack_sequence_as(structure, list(xs))
+        return model(inputs, training=False)
+
+    serving_call.__name__ = f"{model.name}/export_for_ipu_serving"
+    return _export(what, path, strategy, serving_call, f"model {model.name!r}", specs,
+                   input_signature, names,
+                   preprocessing_step, postprocessing_step, post_specs, {"model": model})
+
+
+def export_for_ipu_serving(
+    self: Any,
+    export_dir: str | os.PathLike[str],
+    batch_size: int | None = None,
+    output_names: str | Sequence[str] | None = None,
+    preprocessing_step: Callable[..., Any] | None = None,
+    preprocessing_step_signature: Signature | None = None,
+    postprocessing_step: Callable[..., Any] | None = None,
+    postprocessing_step_signature: Signature | None = None,
+    purge_export_dir: bool = False,
+) -> Any:
+    """Graphcore's ``model.export_for_ipu_serving``: exports this model (built under
+    ``IPUStrategy``) as a SavedModel whose ``serving_default`` signature runs it on the
+    device; returns the serving ``tf.function``. The arguments are those of
+    ``tf_ipu.serving.export_keras`` (this model is its ``model``).
+
+    Example:
+        >>> serve = model.export_for_ipu_serving("exported", batch_size=1)  # doctest: +SKIP
+    """
+    return export_keras(self, export_dir, batch_size, output_names, preprocessing_step,
+                        preprocessing_step_signature, postprocessing_step,
+                        postprocessing_step_signature, purge_export_dir)
+
+
+def export_single_step(
+    predict_step: Callable[..., Any],
+    export_dir: str | os.PathLike[str],
+    iterations: int,
+    predict_step_signature: Signature | None = None,
+    input_dataset: tf.data.Dataset | None = None,
+    output_names: str | Sequence[str] | None = None,
+    preprocessing_step: Callable[..., Any] | None = None,
+    preprocessing_step_signature: Signature | None = None,
+    postprocessing_step: Callable[..., Any] | None = None,
+    postprocessing_step_signature: Signature | None = None,
+    purge_export_dir: bool = False,
+) -> Any:
+    """Graphcore's ``ipu.serving.export_single_step``: exports ``predict_step`` (run on the
+    device through ``IPUStrategy.run``) with optional host-side steps around it.
+
+    Args:
+        predict_step: the function to run on the device, one tensor argument per input.
+        export_dir: a new or empty directory.
+        iterations: Graphcore's loop count (a positive int); here each call is one device
+            call, so it has no other effect.
+        predict_step_signature: ``predict_step``'s input specs; may be omitted when it is a
+            ``tf.function`` with an ``input_signature``, or when ``input_dataset`` gives them.
+        input_dataset: a ``tf.data.Dataset`` whose ``element_spec`` gives the exported inputs
+            (of ``preprocessing_step`` if there is one, else of ``predict_step``).
+        output_names, preprocessing_step, preprocessing_step_signature,
+        postprocessing_step, postprocessing_step_signature, purge_export_dir: as for
+            ``export_keras``. Without ``predict_step_signature``, a preprocessing step's
+            outputs give ``predict_step``'s inputs.
+
+    Returns:
+        The serving ``tf.function``.
+    """
+    from tf_ipu.strategy import IPUStrategy
+
+    what = "export_single_step"
+    if not callable(predict_step):
+        raise TypeError(f"{what}: predict_step must be a function (or a tf.function). "
+                        f"Received: predict_step={predict_step!r}")
+    if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) \
+            or iterations <= 0:
+        raise ValueError(f"{what}: iterations must be a positive int. "
+                         f"Received: iterations={iterations!r}")
+    _check_callable(preprocessing_step, "preprocessing_step", what)
+    _check_callable(postprocessing_step, "postprocessing_step", what)
+    predict_sig = _check_signature(predict_step_signature, "predict_step_signature", what)
+    pre_sig = _check_signature(preprocessing_step_signature, "preprocessing_step_signature", what)
+    post_sig = _check_signature(postprocessing_step_signature, "postprocessing_step_signature",
+                                what)
+    if input_dataset is not None and not isinstance(input_dataset, tf.data.Dataset):
+        raise TypeError(f"{what}: input_dataset must be a tf.data.Dataset. "
+                        f"Received: input_dataset={input_dataset!r}")
+    dataset_sig = None
+    if input_dataset is not None:
+        dataset_sig = list(tf.nest.flatten(input_dataset.element_spec))
+        for i, s in enumerate(dataset_sig):
+            if not isinstance(s, tf.TensorSpec):
+                raise TypeError(f"{what}: input_dataset's element {i} is {s!r}, not a "
+                                f"tensor: only datasets of tensors give an input signature.")
+    names = _check_output_names(output_names, what)
+
+    if preprocessing_step is None:
+        if predict_sig is not None and dataset_sig is not None:
+            raise ValueError(f"{what}: give predict_step_signature or input_dataset, not "
+                             f"both (each gives predict_step's inputs).")
+        device_sig = predict_sig or dataset_sig or _step_signature(
+            predict_step, None)
+        if device_sig is None:
+            raise ValueError(
+                f"{what}: the inputs of predict_step {_fn_name(predict_step)} are not known: "
+                f"make it a tf.function with an input_signature, or pass "
+                f"predict_step_signature or input_dataset.")
+        input_signature = _named(device_sig, _arg_names(predict_step, len(device_sig)))
+    else:
+        if pre_sig is not None and dataset_sig is not None:
+            raise ValueError(f"{what}: give preprocessing_step_signature or input_dataset, "
+                             f"not both (each gives preprocessing_step's inputs).")
+        pre_specs = pre_sig or dataset_sig or _step_signature(
+            preprocessing_step, None)
+        if pre_specs is None:
+            raise ValueError(
+                f"{what}: the inputs of preprocessing_step {_fn_name(preprocessing_step)} "
+                f"are not known: make it a tf.function with an input_signature, or pass "
+                f"preprocessing_step_signature or input_dataset.")
+        input_signature = _named(pre_specs, _arg_names(preprocessing_step, len(pre_specs)))
+        device_sig = predict_sig or _step_signature(predict_step, None)
+        if device_sig is None:  # what the preprocessing step returns
+            traced = _as_function(preprocessing_step, input_signature)
+            returned = tf.nest.flatten(traced.get_concrete_function(
+                *_unnamed(input_signature)).structured_outputs)
+            device_sig = [tf.TensorSpec(t.shape, t.dtype) for t in returned]
+    _fully_defined(input_signature, what, "the exported")
+    _fully_defined(device_sig, what, "predict_step's")
+    path = _check_export_dir(export_dir, purge_export_dir, what)
+
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, IPUStrategy):
+        strategy = IPUStrategy()
+    post_specs = None
+    if postprocessing_step is not None:
+        post_specs = _step_signature(postprocessing_step, post_sig)
+
+    def device_step(*xs: tf.Tensor) -> Any:
+        return predict_step(*xs)
+
+    device_step.__name__ = f"{_fn_name(predict_step)}/export_single_step"
+    keep: dict[str, Any] = {}
+    if isinstance(predict_step, tf.Module):
+        keep["predict_step"] = predict_step
+    return _export(what, path, strategy, device_step, "predict_step",
+                   [tf.TensorSpec(s.shape, s.dtype) for s in device_sig], input_signature, names, preprocessing_step, postprocessing_step,
+                   post_specs, keep)
+
+
+def _fn_name(fn: Any) -> str:
+    return repr(getattr(fn, "__name__", None) or type(fn).__name__)
+
+
+__all__ = ["SIGNATURE_KEY", "export_for_ipu_serving", "export_keras", "export_single_step"]
