@@ -102,6 +102,29 @@ def test_reshape_chains_are_composed() -> None:
     assert exe.step_count <= 6  # the reshapes of reshapes collapse
 
 
+def test_common_subexpressions_run_once() -> None:
+    """As Adam's bias corrections, once per variable it updates: the same ops of the same
+    operands (and equal constants) are one step, with XLA's results."""
+    def fn(t: tf.Tensor, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        outs = []
+        for v in (x, y, x):
+            step = tf.cast(t + 1, tf.float32)
+            corr = tf.sqrt(1.0 + step * 0.999) / (1.0 + step * 0.9)
+            outs.append(v * corr)
+        return tuple(outs)
+
+    rng = np.random.default_rng(0)
+    args = (np.int64(3), rng.standard_normal((4, 5)).astype(np.float32),
+            rng.standard_normal((4, 5)).astype(np.float32))
+    module = eu.check(fn, *args, rtol=0)
+    exe = compile_module(module, TARGET)
+    # t + 1, convert, 2 x (multiply, add), sqrt, divide: once; x * corr, y * corr; the tuple
+    # (the third output is the first's value, given as its own array)
+    assert exe.step_count <= 11, exe.step_count
+    a, b, c = exe.run(list(args))
+    assert np.array_equal(a, c) and not np.shares_memory(a, c)  # equal values, own arrays
+
+
 # ---------------------------------------------------------------------- arg-max / arg-min
 
 

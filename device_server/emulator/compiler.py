@@ -145,6 +145,14 @@ ELEMENTWISE_SAFE = frozenset(
         "reduce-precision", "opt-barrier",
     }
 )
+# Opcodes whose result depends only on their operands, attributes and shape, and whose kernels
+# never write into an operand: two such instructions with the same operands (slots) compute
+# the same value, so the second uses the first's (common subexpressions, e.g. the optimizer's
+# bias corrections, computed again for every variable an optimizer updates).
+_CSE_OPCODES = (ELEMENTWISE_SAFE - {"parameter", "constant", "tuple", "get-tuple-element", "copy",
+                                    "opt-barrier"}) | {"broadcast", "reshape", "transpose"}
+# Constants up to this size are shared between instructions that hold the same value.
+_CSE_CONST_BYTES = 1 << 12
 # Element-wise opcodes a fused step may contain (fusion.py).
 _FUSIBLE = ELEMENTWISE_SAFE - {"parameter", "constant", "tuple", "get-tuple-element", "copy", "opt-barrier"}
 
@@ -742,6 +750,23 @@ class _Compiler:
         reshaped: dict[int, tuple[int, tuple[int, ...]]] = {}  # reshape id -> (source slot, dims)
         slot_dims: dict[int, tuple[int, ...] | None] = {}  # slot -> its value's shape (None: tuple)
         slot_dtypes: dict[int, np.dtype | None] = {}  # slot -> its value's dtype (None: tuple)
+        # Common subexpressions (_CSE_OPCODES) and equal small constants share one slot. Not
+        # with instrumented numerics (stochastic rounding draws per instruction) or a fault
+        # injected (it targets instructions, not values).
+        cse = not self.numerics.active and not fault
+        seen_values: dict[tuple, int] = {}
+
+        def const_slot(value: Any) -> int:
+            key = None
+            if cse and isinstance(value, np.ndarray) and value.nbytes <= _CSE_CONST_BYTES \
+                    and value.dtype.kind in "biufc":
+                key = ("const", value.dtype.str, value.shape, value.tobytes())
+                if key in seen_values:
+                    return seen_values[key]
+            slot = new_slot(value, const=True)
+            if key is not None:
+                seen_values[key] = slot
+            return slot
 
         def new_slot(value: Any = None, const: bool = False, shape: ir_pb2.Shape | None = None) -> int:
             template.append(value)
@@ -778,7 +803,7 @@ class _Compiler:
                     raise InvalidProgramError(f"{describe(instr)}: constant without a 'value' attribute.")
                 value = literal_to_value(instr.attrs["value"].literal, describe(instr))
                 self._check_shape(instr, value)
-                slot_of[instr.id] = new_slot(value, const=True)
+                slot_of[instr.id] = const_slot(value)
                 continue
             if op != fault:
                 if (op in _FORWARDING and len(in_slots) == 1) or _is_identity(instr, operands):
@@ -850,9 +875,19 @@ class _Compiler:
                         value = np.asarray(value)
                     else:
                         self._check_shape(instr, value)
-                    slot_of[instr.id] = new_slot(_freeze(value), const=True)
+                    slot_of[instr.id] = const_slot(_freeze(value))
+                    continue
+            key = None
+            if cse and op in _CSE_OPCODES and instr.id not in lazy and not dyn:
+                key = (op, in_slots, instr.shape.SerializeToString(deterministic=True),
+                       tuple(sorted((k, v.SerializeToString(deterministic=True))
+                                    for k, v in instr.attrs.items())))
+                if key in seen_values:
+                    slot_of[instr.id] = seen_values[key]
                     continue
             out = new_slot(shape=instr.shape)
+            if key is not None:
+                seen_values[key] = out
             if instr.id in lazy and lazy[instr.id] is not None:
                 slot_dims[out] = lazy[instr.id]
             slot_of[instr.id] = out
@@ -1539,6 +1574,7 @@ class Executable:
                 result = self._runner(lambda: program(checked, give))
         flat = _flatten(result) if self._root_is_tuple else [result]
         outs = []
+        given: set[int] = set()  # one array for two outputs (equal values share a step) is copied
         for k, (value, (dt, shape)) in enumerate(zip(flat, self.outputs, strict=True)):
             a = np.asarray(value)
             if a.dtype != dt or (a.shape != shape and not _fits(a.shape, shape, self.output_dynamic[k])):
@@ -1546,8 +1582,9 @@ class Executable:
                     f"'{self.name}': output {k} came out as {_spelling(a.dtype, a.shape)}, "
                     f"expected {_spelling(dt, shape, self.output_dynamic[k])} (emulator kernel bug)."
                 )
-            if not (a.flags.c_contiguous and a.flags.writeable):
+            if not (a.flags.c_contiguous and a.flags.writeable) or id(a) in given:
                 a = a.copy()
+            given.add(id(a))
             outs.append(a)
         return outs
 
