@@ -776,14 +776,6 @@ class DeviceService:
                     _INVALID, f"wait_seconds must be >= 0. Received: {request.wait_seconds}"
                 )
             version = request.ipu_version or self.default_ipu_version
-            if self.system is not None and _canonical(version) != self.system.ipu_version:
-                raise ServiceError(
-                    _INVALID,
-                    f"AttachIpus: this server hosts a {self.system.name} "
-                    f"({self.system.description}): it has no {version!r} IPUs. Ask for "
-                    f"ipu_version {self.system.ipu_version!r} (or none), or use a server "
-                    f"started with another --system.",
-                )
             try:
                 target = get_target(version, tiles_per_ipu=request.tiles_per_ipu)
             except ValueError as e:
@@ -792,6 +784,14 @@ class DeviceService:
                     f"AttachIpus: no target for ipu_version={version!r}, "
                     f"tiles_per_ipu={request.tiles_per_ipu}: {e}",
                 ) from None
+            if self.system is not None and target.name != self.system.ipu_version:
+                raise ServiceError(
+                    _INVALID,
+                    f"AttachIpus: this server hosts a {self.system.name} "
+                    f"({self.system.description}): it has no {version!r} IPUs. Ask for "
+                    f"ipu_version {self.system.ipu_version!r} (or none), or use a server "
+                    f"started with another --system.",
+                )
             remaining = self._remaining()
             if remaining is not None:
                 wait = min(wait, max(0.0, remaining - 0.05))  # answer before the deadline
@@ -1448,13 +1448,6 @@ def _numerics_options(options: device_pb2.CompileOptions) -> dict[str, Any]:
         out[name] = bool(getattr(fp, name))
     out["stochastic_rounding_seed"] = int(options.stochastic_rounding_seed)
     return out
-
-
-def _canonical(version: str) -> str:
-    try:
-        return hardware.canonical_version(version)
-    except ValueError:
-        return version  # get_target says what is wrong with it
 
 
 def _compile_error(error: Exception, module_name: str) -> Exception:
