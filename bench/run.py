@@ -37,6 +37,7 @@ BENCHES = {
     "resident": lambda quick: __import__("bench.bench_resident", fromlist=["main"]).main(quick),
     "transport": lambda quick: __import__("bench.bench_transport", fromlist=["main"]).main(quick),
     "disk_cache": lambda quick: __import__("bench.bench_disk_cache", fromlist=["main"]).main(quick),
+    "replication": lambda quick: __import__("bench.bench_replication", fromlist=["main"]).main(quick),
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

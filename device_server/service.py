@@ -72,6 +72,7 @@ from device_server.emulator import (
     get_target,
 )
 from device_server.emulator.kernels.infeed import InfeedEnded
+from device_server.emulator.replicas import run_replicated
 from device_server.executable_cache import ExecutableCache, cache_key
 from device_server.protocol import device_pb2, dtypes, hardware, ir_pb2, shm
 from device_server.protocol.chunks import parse_chunk
@@ -336,6 +337,8 @@ class DeviceService:
         self.default_ipu_version, _ = _describe_target(default_target, config.ipu_version)
         self.counters = Counters()
         self.pool = IpuPool(config.num_ipus)
+        if self.system is not None:
+            self.pool.description = f"a {self.system.name}: {self.system.description}"
         self.sessions = SessionManager(
             self.pool,
             default_lease_seconds=config.lease_seconds,
@@ -837,12 +840,13 @@ class DeviceService:
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
             allow_oom = request.options.allow_out_of_memory
             numerics = _numerics_options(request.options)
+            replication = self._replication(s, request.options.replicas, module.name)
             key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom,
-                            numerics)
+                            {**numerics, **_replication_key(replication)})
             target = s.target
             options = CompileOptions(
                 refuse_opcodes=refuse, fault_inject_opcode=fault, allow_out_of_memory=allow_oom,
-                **numerics,
+                **numerics, **replication,
             )
 
             from_disk: list[bool] = []
@@ -887,7 +891,9 @@ class DeviceService:
                 executable_id=handle_id,
                 cache_hit=hit,
                 parameters=[_tensor_spec(dt, shape) for dt, shape in exe.parameters],
-                outputs=[_tensor_spec(dt, shape) for dt, shape in exe.outputs],
+                outputs=[_tensor_spec(dt, shape if exe.options.replicas <= 1
+                                      else (exe.options.replicas, *shape))
+                         for dt, shape in exe.outputs],
                 aliases=[
                     ir_pb2.Alias(output_index=o, parameter_number=p)
                     for o, p in sorted(exe.aliases.items())
@@ -895,6 +901,27 @@ class DeviceService:
                 estimate=_estimate(exe.estimate),
                 compile_seconds=lookup.compile_seconds,
             )
+
+    def _replication(self, s: Session, replicas: int, module_name: str) -> dict[str, Any]:
+        """The emulator's replication options for a program of ``replicas`` replicas, one
+        per IPU the session holds (in the server's system, or its plain IPUs); a count the
+        session cannot run is refused, naming both numbers."""
+        replicas = max(1, int(replicas))
+        if replicas == 1:
+            return {}
+        held = len(s.ipu_ids)
+        if replicas > held:
+            raise ServiceError(
+                _INVALID,
+                f"Compile of module {module_name!r}: the program has {replicas} replicas, one "
+                f"per IPU, but session {s.session_id} holds {held} IPU"
+                f"{'s' if held != 1 else ''} ({s.ipu_ids}); attach {replicas} IPUs "
+                f"(IPUConfig.auto_select_ipus = {replicas}) or compile for {held} replicas.",
+                kind="too-many-replicas",
+            )
+        system = self.system or hardware.plain_system(self.pool.num_ipus, s.ipu_version)
+        return {"replicas": replicas, "system": system,
+                "ipu_ids": tuple(s.ipu_ids[:replicas])}
 
     def _load_from_disk(self, key: str, module: ir_pb2.Module, target: Any,
                         options: CompileOptions) -> Any:
@@ -956,6 +983,7 @@ class DeviceService:
                         kind="session-memory",
                     )
             for key, value in decoded.items():  # all or nothing: every value decoded first
+                s.replica_variables.pop(key, None)  # the host's value goes to every replica
                 if key in adopted:
                     s.variables[key] = value  # a staged blob: the buffer becomes the variable
                     self.counters.add("variable_buffers_allocated")
@@ -1168,10 +1196,34 @@ class DeviceService:
             token.infeed = lambda feed, tok, where: s.data.infeed(feed).pull(tok, where)
             token.outfeed = s.data.enqueue_outfeed
             s.data.outfeeds.clear()  # what a stopped call enqueued is not kept
+            replicas = exe.options.replicas
+            per_replica: list[list[np.ndarray]] = []
+            if replicas > 1:
+                # Every replica reads the same parameter values and its own variables.
+                per_replica = [inputs]
+                for r in range(1, replicas):
+                    args = list(inputs)
+                    for number, key in variable_of.items():
+                        args[number] = s.replica_variable(key, r)
+                    per_replica.append(args)
             start = time.perf_counter()
             try:
                 with s.run(token):
-                    outputs = exe.run(inputs, donated, stop=token)
+                    if replicas > 1:
+                        try:
+                            per_replica, group = run_replicated(exe, per_replica,
+                                                                [donated] * replicas, stop=token)
+                        except BaseException:
+                            # Replicas may have written some variables in place before one
+                            # failed: the others start again from replica 0's next time.
+                            for key in variable_of.values():
+                                s.replica_variables.pop(key, None)
+                            raise
+                        outputs = per_replica[0]
+                        self.counters.add("replicated_executions")
+                        self.counters.add("all_reduce_bytes", group.all_reduce_bytes)
+                    else:
+                        outputs = exe.run(inputs, donated, stop=token)
             except RunStopped as e:
                 self.counters.add(f"runs_stopped.{e.reason}")
                 code, kind = _STOP_STATUS[e.reason]
@@ -1202,6 +1254,13 @@ class DeviceService:
             self.counters.add("executions")
             for out_index, key in updates.items():
                 self._store_variable(s, key, outputs[out_index])
+                for r in range(1, replicas):
+                    s.set_replica_variable(key, r, per_replica[r][out_index])
+            if replicas > 1:
+                # A replicated program's outputs: every replica's, stacked (leading dimension).
+                outputs = [np.stack([per_replica[r][i] for r in range(replicas)])
+                           if request.return_updated_variables or i not in updates else out
+                           for i, out in enumerate(outputs)]
             if token.steps_completed is not None:
                 # The device loop ended early: its variables (stored above) are those of its
                 # last completed step; the caller gets the reason, not the outputs.
@@ -1448,6 +1507,15 @@ def _numerics_options(options: device_pb2.CompileOptions) -> dict[str, Any]:
         out[name] = bool(getattr(fp, name))
     out["stochastic_rounding_seed"] = int(options.stochastic_rounding_seed)
     return out
+
+
+def _replication_key(replication: dict[str, Any]) -> dict[str, Any]:
+    """What of the replication options identifies an executable (its estimate depends on
+    the system's links and the IPUs the replicas run on)."""
+    if not replication:
+        return {}
+    return {"replicas": replication["replicas"], "system": replication["system"].name,
+            "ipu_ids": ",".join(str(i) for i in replication["ipu_ids"])}
 
 
 def _compile_error(error: Exception, module_name: str) -> Exception:

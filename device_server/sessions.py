@@ -62,6 +62,7 @@ class IpuPool:
         if num_ipus < 1:
             raise ValueError(f"A device server needs at least one IPU. Received: num_ipus={num_ipus}")
         self.num_ipus = num_ipus
+        self.description = ""  # what the IPUs are, for messages (e.g. the server's system)
         self._owner: dict[int, str] = {}
         self._changed = threading.Condition(threading.Lock())
         self._closed = False
@@ -115,6 +116,16 @@ class IpuPool:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"AttachIpus needs num_ipus >= 1. Received: num_ipus={count}",
+            )
+        if count > self.num_ipus:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"AttachIpus: {count} IPUs asked for (IPUConfig.auto_select_ipus = {count}: "
+                f"one per replica), but this server hosts {self.num_ipus}"
+                f"{f' ({self.description})' if self.description else ''}: ask for at most "
+                f"{self.num_ipus}, or use a server with more IPUs (--ipus {count}, or a "
+                f"larger --system).",
+                kind="too-many-ipus",
             )
         start = time.monotonic()
         end = start + max(0.0, wait_seconds)
@@ -203,6 +214,11 @@ class Session:
         self.ipu_version = ""
         self.tiles_per_ipu = 0
         self.variables: dict[str, np.ndarray] = {}
+        # Replicated programs: each replica's own copy of a variable, replicas 1.. (replica 0's
+        # is ``variables``). Made from replica 0's when a replicated run first binds it; a
+        # host write replaces them all (the host's value goes to every replica, host reads
+        # see replica 0's, as on Graphcore's replicated graphs).
+        self.replica_variables: dict[str, list[np.ndarray | None]] = {}
         self.executables: dict[str, ExecutableHandle] = {}
         self.handle_by_key: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -247,8 +263,36 @@ class Session:
         return now - self.last_seen > self.lease_seconds
 
     def variable_bytes(self) -> int:
-        """Bytes of the session's resident variables (read while the session is entered)."""
-        return sum(v.nbytes for v in self.variables.values())
+        """Bytes of the session's resident variables, every replica's copy counted (read
+        while the session is entered)."""
+        return sum(v.nbytes for v in self.variables.values()) + sum(
+            c.nbytes for copies in self.replica_variables.values() for c in copies if c is not None)
+
+    def replica_variable(self, key: str, replica: int) -> np.ndarray:
+        """Replica ``replica``'s copy of variable ``key`` (replica 0's is ``variables[key]``;
+        another replica's is made from it the first time it is asked for)."""
+        if replica == 0:
+            return self.variables[key]
+        copies = self.replica_variables.setdefault(key, [])
+        if len(copies) < replica:
+            copies.extend([None] * (replica - len(copies)))
+        held = copies[replica - 1]
+        if held is None:
+            held = copies[replica - 1] = np.array(self.variables[key], copy=True, order="C")
+        return held
+
+    def set_replica_variable(self, key: str, replica: int, value: np.ndarray) -> None:
+        """Makes ``value`` replica ``replica``'s copy (``replica`` >= 1) of variable ``key``."""
+        copies = self.replica_variables.setdefault(key, [])
+        if len(copies) < replica:
+            copies.extend([None] * (replica - len(copies)))
+        held = copies[replica - 1]
+        if held is not None and held is not value and held.shape == value.shape \
+                and held.dtype == value.dtype and held.flags.writeable:
+            np.copyto(held, value)
+        else:
+            copies[replica - 1] = value if value.flags.owndata and value.flags.writeable \
+                else np.array(value, copy=True, order="C")
 
     def enter(self, max_waiting: int, timeout: float | None = None) -> _Entered:
         """Serializes a call of this session (``with session.enter(...) as s:``); renews
@@ -496,6 +540,7 @@ class SessionManager:
             return
         self.detach(session)
         session.variables.clear()
+        session.replica_variables.clear()
         if session.data is not None:
             session.data.close()
         session.closed = True

@@ -1,4 +1,4 @@
-"""Graphcore's single-IPU TF2 examples, as scripts of our own making the same API calls.
+"""Graphcore's TF2 examples (single-IPU, and the replicated Keras demo), as scripts of our own making the same API calls.
 
 Each ``example_*`` function below mirrors one public Graphcore example (its docstring names the
 repository and path): Graphcore's import lines at its top, the same ``ipu`` and Keras calls,
@@ -31,6 +31,8 @@ Graphcore's single-IPU TF2 examples found, and where they are here (repository/p
 - graphcore/tutorials tutorials/tensorflow2/keras/completed_demos/completed_demo_ipu.py
   (and the same section of demo.py, demo_walkthrough.py): ``example_keras_demo_ipu``
 - .../keras/completed_demos/completed_demo_faster.py: ``example_keras_demo_faster``
+- .../keras/completed_demos/completed_demo_replicated.py: ``example_keras_demo_replicated``
+  (2 replicas)
 - graphcore/tutorials simple_applications/tensorflow2/mnist/mnist.py (graphcore/examples
   tutorials/simple_applications/tensorflow2/mnist/mnist_code_only.py): ``example_mnist``
 - graphcore/examples tutorials/tutorials/tensorflow2/infeed_outfeed/completed_code/
@@ -60,8 +62,8 @@ Graphcore's single-IPU TF2 examples found, and where they are here (repository/p
   tf2_AdGMoM.py: ``example_adgmom``
 
 Skipped: the pipelined or many-IPU ones (keras/ipu/docs example7-9, 11, 12, als_example3,
-exporting_pipelined_*; the tutorials' completed_demo_pipelining/replicated.py and
-completed_example/main.py (2 IPUs: replicated or pipelined), tensorboard/demo.py,
+exporting_pipelined_*; the tutorials' completed_demo_pipelining.py and
+completed_example/main.py (2 IPUs, pipelined), tensorboard/demo.py,
 embeddings/imdb.py and imdb_sequential.py, recomputation_checkpoints/recompute_lstm.py,
 popdist/*, ipu_estimator/*_replica.py and *_pipeline_*.py, abc_covid_19/ABC_IPU.py);
 ``tf.compat.v1`` / estimator ones (ipu_estimator/cifar10_ipu_estimator.py,
@@ -283,6 +285,64 @@ def example_keras_demo_faster(run: Run) -> None:
     run.losses("History loss", ipu_loss, cpu_loss)
     run.losses("evaluate (loss, accuracy)", evaluated, cpu_eval)
     run.arrays("weights", model.get_weights(), reference.get_weights())
+
+
+def example_keras_demo_replicated(run: Run) -> None:
+    """graphcore/tutorials tutorials/tensorflow2/keras/completed_demos/completed_demo_replicated.py:
+    the convnet on 2 replicas (``auto_select_ipus = num_replicas = 2``), steps_per_execution
+    a whole epoch's steps per replica, fit for 3 epochs, then compiled again for evaluate.
+    The model has Dropout, and each replica draws its own masks on a batch half the CPU's,
+    so training is not compared step for step: evaluate is, against the CPU's evaluation of
+    the trained weights on the last replica's batches (Graphcore's default metric reduction,
+    NONE, reports the last replica's)."""
+    import numpy as np  # noqa: F401
+    import tensorflow.keras as keras
+    from tensorflow.python import ipu
+
+    batch_size = 64
+    num_ipus = num_replicas = 2
+
+    def make_divisible(number, divisor):
+        return number - number % divisor
+
+    (x_train, y_train), (x_test, y_test) = _keras_demo_data(keras, 64 * 6 + 20, 64 * 4 + 9)
+    train_steps_per_execution = x_train.shape[0] // (batch_size * num_replicas)
+    train_steps_per_execution = make_divisible(train_steps_per_execution, num_replicas)
+    train_data_len = make_divisible(x_train.shape[0], train_steps_per_execution * batch_size)
+    x_train, y_train = x_train[:train_data_len], y_train[:train_data_len]
+    test_steps_per_execution = x_test.shape[0] // (batch_size * num_replicas)
+    test_steps_per_execution = make_divisible(test_steps_per_execution, num_replicas)
+    test_data_len = make_divisible(x_test.shape[0], test_steps_per_execution * batch_size)
+    x_test, y_test = x_test[:test_data_len], y_test[:test_data_len]
+
+    ipu_config = ipu.config.IPUConfig()
+    ipu_config.auto_select_ipus = num_ipus
+    ipu_config.configure_ipu_system()
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    keras.utils.set_random_seed(3)
+    try:
+        with strategy.scope():
+            model = keras.Model(*_keras_demo_model(keras))
+            model.compile("sgd", "categorical_crossentropy", metrics=["accuracy"],
+                          steps_per_execution=train_steps_per_execution)
+            model.summary()
+            history = model.fit(x_train, y_train, epochs=3, batch_size=batch_size, verbose=0)
+            model.compile("sgd", "categorical_crossentropy", metrics=["accuracy"],
+                          steps_per_execution=test_steps_per_execution)
+            evaluated = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
+    finally:
+        ipu_config.auto_select_ipus = 1
+        ipu_config.configure_ipu_system()
+    losses = history.history["loss"]
+    run.true("History: 3 finite epoch losses", len(losses) == 3 and all(np.isfinite(losses)),
+             losses)
+    reference = keras.Model(*_keras_demo_model(keras))
+    reference.set_weights(model.get_weights())
+    reference.compile("sgd", "categorical_crossentropy", metrics=["accuracy"])
+    last = np.arange(x_test.shape[0]).reshape(-1, batch_size)[num_replicas - 1::num_replicas]
+    cpu_eval = reference.evaluate(x_test[last.ravel()], y_test[last.ravel()],
+                                  batch_size=batch_size, verbose=0)
+    run.losses("evaluate (loss, accuracy) of the last replica", evaluated, cpu_eval)
 
 
 def example_mnist(run: Run) -> None:

@@ -805,6 +805,7 @@ class DeviceClient:
         convolution_partials_type: str = "",
         floating_point_behaviour: Mapping[str, bool] | None = None,
         stochastic_rounding_seed: int = 0,
+        replicas: int = 1,
     ) -> CompiledProgram:
         """Compiles a program for the session's IPUs (cached on the server by content).
 
@@ -820,6 +821,8 @@ class DeviceClient:
             floating_point_behaviour: ``inv``, ``div0``, ``oflo``, ``esr``, ``nanoo`` flags
                 (``IPUConfig.floating_point_behaviour``); unnamed flags stay off.
             stochastic_rounding_seed: seed of stochastic rounding (0: from the program).
+            replicas: how many replicas run the program at once, one per attached IPU
+                (1: not replicated); every output then has a leading dimension of replicas.
 
         Returns:
             A ``CompiledProgram``.
@@ -847,6 +850,8 @@ class DeviceClient:
                 setattr(opts.floating_point_behaviour, name, True)
         if stochastic_rounding_seed:
             opts.stochastic_rounding_seed = int(stochastic_rounding_seed)
+        if replicas > 1:
+            opts.replicas = int(replicas)
         request = device_pb2.CompileRequest(session_id=self.session_id, options=opts)
         limit = self._session.max_message_bytes if self._session else 0
         if limit > 0 and module.ByteSize() > limit // 2:  # too big for one message: a blob

@@ -17,8 +17,16 @@ From the command line (``keras.applications`` models are built with ``weights=No
 
     python -m tf_ipu.estimate --model resnet50 --batch-size 8 --ipu-version bow --html out.html
 
-Not ready yet: pipelining and replication over several IPUs; models whose inputs have no static
-shape apart from the batch dimension.
+Data parallelism: ``replicas=R`` (``--replicas R``) runs R copies of the step at once on a
+system's IPUs (``system="bow2000"``, ``--system``; default: R plain IPUs of the version).
+``batch_size`` is then per replica, ``throughput`` counts all replicas' items, and a training
+step pays the all-reduce of its gradients over the IPU-Links (the one the program contains,
+else one of the trainable variables' bytes per step, which the report notes).
+
+    tf_ipu.estimate(model, 8, training=True, ipu_version="bow", replicas=4, system="bow2000")
+
+Not ready yet: pipelining over several IPUs; models whose inputs have no static shape apart
+from the batch dimension.
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from device_server.emulator.arch import get_target  # noqa: E402
+from device_server.emulator.tiles.replication import replication as _replication  # noqa: E402
 from device_server.emulator.tiles.report import Estimate, estimate_module  # noqa: E402
+from device_server.protocol import ALL_REDUCE_TARGET, hardware  # noqa: E402
 from tf_ipu import report as _report  # noqa: E402,F401  (makes tf_ipu.report.save_html reachable)
 from tf_ipu.lowering.program import lower_function  # noqa: E402
 
@@ -134,8 +144,34 @@ def _prepare_training(model: Any, x_specs: list[tf.TensorSpec], y_specs: list[tf
         loss.build(zeros_y, y_pred)
 
 
+def _system(system: Any) -> hardware.System | None:
+    if system is None or system == "":
+        return None
+    if isinstance(system, hardware.System):
+        return system
+    return hardware.get_system(str(system))
+
+
+def _has_all_reduce(module: Any) -> bool:
+    return any(i.opcode == "custom-call" and "custom_call_target" in i.attrs
+               and i.attrs["custom_call_target"].s == ALL_REDUCE_TARGET
+               for c in module.computations for i in c.instructions)
+
+
+def _gradient_bytes(model: Any) -> int:
+    """Bytes of the trainable variables (their gradients, summed across replicas each step)."""
+    total = 0
+    for v in getattr(model, "trainable_variables", []) or []:
+        n = 1
+        for d in v.shape:
+            n *= int(d)
+        total += n * tf.as_dtype(v.dtype).size
+    return total
+
+
 def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: str = "ipu2",
-             tiles_per_ipu: int = 0, *, input_spec: Any = None, label_spec: Any = None) -> Estimate:
+             tiles_per_ipu: int = 0, *, input_spec: Any = None, label_spec: Any = None,
+             replicas: int = 1, system: Any = None, ipu_ids: Sequence[int] = ()) -> Estimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
 
     Args:
@@ -149,11 +185,21 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             shapes; the first dimension is replaced by ``batch_size``.
         label_spec: the same for the labels of a training step (default: integer labels for
             sparse losses, else the outputs' shape and dtype).
+        replicas: copies of the step running at once, one per IPU (data parallelism);
+            ``batch_size`` is per replica.
+        system: the system whose IPUs run them: a name ("bow2000", "dss8440", ...) or a
+            ``device_server.protocol.hardware.System``; None: ``replicas`` plain IPUs.
+        ipu_ids: which of the system's IPUs (default: the first ``replicas``).
 
     Returns:
         An :class:`Estimate`: ``.latency_s``, ``.throughput`` (items/s), ``.cycles``,
         ``.peak_tile_bytes``, ``.fits`` (False when it would not fit: never raises for
-        that), ``.to_json()``, ``.save_html(path)``.
+        that), ``.to_json()``, ``.save_html(path)``; with replicas, ``.all_reduce_cycles``,
+        ``.all_reduce_share`` and the per-IPU figures of one replica.
+
+    Raises:
+        ValueError: a bad ``batch_size``, or replicas the system cannot run (more than its
+            IPUs, ``ipu_ids`` not one per replica, IPUs of another version).
 
     Example:
         >>> model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
@@ -163,6 +209,9 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int. Received: batch_size={batch_size!r}")
     target = get_target(ipu_version, tiles_per_ipu)
+    system = _system(system)
+    many = {"replicas": replicas, "system": system, "ipu_ids": tuple(ipu_ids)}
+    _replication(replicas, system, tuple(ipu_ids), target)  # checked before lowering
     x_specs = _input_specs(model, batch_size, input_spec)
     name = getattr(model, "name", "model")
     t0 = time.perf_counter()
@@ -200,8 +249,12 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     lower_s = time.perf_counter() - t0
     params = json.loads(lowered.signature)["params"]
     kinds = {n: _KIND_OF[p["kind"]] for n, p in enumerate(params)}
+    implied = 0
+    if training and replicas > 1 and not _has_all_reduce(lowered.module):
+        implied = _gradient_bytes(model)  # the cross-replica gradient sum of each step
     t1 = time.perf_counter()
-    report = estimate_module(lowered.module, None, target, param_kinds=kinds)
+    report = estimate_module(lowered.module, None, target, param_kinds=kinds,
+                             implied_all_reduce_bytes=implied, **many)
     plan_s = time.perf_counter() - t1
     report.items_per_call = batch_size
     report.context = {
@@ -209,6 +262,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         "inputs": ", ".join(f"{s.dtype.name}{list(s.shape)}" for s in specs),
         "lower_seconds": round(lower_s, 3), "plan_seconds": round(plan_s, 3),
     }
+    if report.replicas > 1:
+        report.context["global_batch"] = batch_size * report.replicas
     return report
 
 
@@ -248,7 +303,9 @@ def estimate_sweep(model: Any, batch_sizes: Sequence[int], training: bool = Fals
                    ipu_version: str = "ipu2", tiles_per_ipu: int = 0, **kwargs: Any) -> Sweep:
     """:func:`estimate` at each of ``batch_sizes``: latency and throughput vs batch size.
 
-    Every estimate carries the sweep (``report.sweep``), so its HTML page plots it.
+    Every estimate carries the sweep (``report.sweep``), so its HTML page plots it. With
+    ``replicas=R`` (and ``system=...``) in ``kwargs`` the batch sizes are per replica and each
+    point's throughput counts all R replicas' items.
 
     Example:
         >>> sweep = tf_ipu.estimate_sweep(model, [1, 2, 4, 8, 16])
@@ -260,7 +317,8 @@ def estimate_sweep(model: Any, batch_sizes: Sequence[int], training: bool = Fals
         raise ValueError(f"batch_sizes must be positive ints. Received: {list(batch_sizes)!r}")
     estimates = [estimate(model, b, training, ipu_version, tiles_per_ipu, **kwargs) for b in sizes]
     points = [{"batch_size": e.items_per_call, "latency_s": e.latency_s, "throughput": e.throughput,
-               "fits": e.fits, "peak_tile_bytes": e.peak_tile_bytes, "cycles": e.cycles}
+               "fits": e.fits, "peak_tile_bytes": e.peak_tile_bytes, "cycles": e.cycles,
+               "replicas": e.replicas, "all_reduce_share": e.all_reduce_share}
               for e in estimates]
     for e in estimates:
         e.sweep = points
@@ -302,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", default="sgd", help="optimizer for --training (default sgd)")
     p.add_argument("--ipu-version", default="ipu2", help="ipu1 (GC2), ipu2 (GC200), bow")
     p.add_argument("--tiles-per-ipu", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas, one per IPU")
+    p.add_argument("--system", default="", help="the replicas' system: " + ", ".join(hardware.SYSTEMS))
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="fp16: Keras mixed_float16 policy")
     p.add_argument("--sweep", default="", help="batch sizes to sweep, e.g. 1,2,4,8")
@@ -311,21 +371,25 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.model, args.precision)
     if args.training:
         model.compile(optimizer=args.optimizer, loss=_keras().losses.SparseCategoricalCrossentropy(from_logits=True))
+    many = {"replicas": args.replicas, "system": args.system or None}
     if args.sweep:
         sizes = [int(s) for s in args.sweep.split(",") if s.strip()]
         sweep = estimate_sweep(model, sorted({*sizes, args.batch_size}), args.training,
-                               args.ipu_version, args.tiles_per_ipu)
+                               args.ipu_version, args.tiles_per_ipu, **many)
         report = next(e for e in sweep.estimates if e.items_per_call == args.batch_size)
         for pt in sweep.points:
             print(f"  batch {pt['batch_size']:5d}: {pt['latency_s'] * 1e3:9.3f} ms  "
                   f"{pt['throughput']:12,.1f} items/s  {'fits' if pt['fits'] else 'DOES NOT FIT'}")
     else:
-        report = estimate(model, args.batch_size, args.training, args.ipu_version, args.tiles_per_ipu)
+        report = estimate(model, args.batch_size, args.training, args.ipu_version, args.tiles_per_ipu,
+                          **many)
     print(report.summary())
     print(f"  lowering {report.context['lower_seconds']:.2f} s, planning "
           f"{report.context['plan_seconds']:.2f} s; {report.supersteps:,} supersteps; "
           f"compute {report.compute_cycles:,} / exchange {report.exchange_cycles:,} / sync "
-          f"{report.sync_cycles:,} / host {report.host_cycles:,} cycles")
+          f"{report.sync_cycles:,} / host {report.host_cycles:,} cycles"
+          + (f" / all-reduce {report.all_reduce_cycles:,} / replica syncs "
+             f"{report.replica_sync_cycles:,}" if report.replicas > 1 else ""))
     for op in report.top_ops[:5]:
         print(f"    {op['cycles']:12,.0f} cycles  {op['name']} ({op['opcode']}) {op['layer']}")
     if not report.fits:

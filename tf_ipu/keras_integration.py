@@ -31,7 +31,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from device_server.protocol import DEVICE_LOOP_NAME, INFEED_TARGET
-from tf_ipu import accumulation, errors, feeds, interrupt, notices
+from tf_ipu import accumulation, errors, feeds, interrupt, notices, replication
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
@@ -82,6 +82,11 @@ def install() -> None:
     TensorFlowTrainer.set_asynchronous_callbacks = set_asynchronous_callbacks
     TensorFlowTrainer.set_gradient_accumulation_options = (
         accumulation.set_gradient_accumulation_options)
+    TensorFlowTrainer.set_replication_options = replication.set_replication_options
+    replication.install_epoch_iterator()
+    replication.install_predict_marker()
+    replication.install_logs()
+    replication.install_replica_seeds()
     from tf_ipu import serving  # Graphcore's model.export_for_ipu_serving
 
     TensorFlowTrainer.export_for_ipu_serving = serving.export_for_ipu_serving
@@ -212,13 +217,15 @@ def _install_sync_points() -> None:
     at(Model, "save", lambda *a, **k: "model saved", lambda m: m)
 
 
-def _compiled(device_loop: Any, specs: list[tf.TensorSpec], name: str) -> tuple[LoweredProgram, Any]:
-    """Lowers a device loop and compiles it now (so that errors, an unsupported op or out of
-    memory, name the model's layers here, and the estimate is reported before the first
-    step); returns it with the traced runner that calls it through IpuExecute."""
+def _compiled(device_loop: Any, specs: list[tf.TensorSpec], name: str,
+              replicas: int = 1) -> tuple[LoweredProgram, Any]:
+    """Lowers a device loop (of ``replicas`` replicas) and compiles it now (so that errors,
+    an unsupported op or out of memory, name the model's layers here, and the estimate is
+    reported before the first step); returns it with the traced runner that calls it
+    through IpuExecute."""
     from tf_ipu import runtime
 
-    lowered = lower_function(device_loop, specs, name)
+    lowered = lower_function(device_loop, specs, name, replicas)
     runtime.get_runtime().compile(lowered.program, lowered.signature)
 
     @tf.function(autograph=False)
@@ -247,6 +254,12 @@ class IPUStepFunction:
         self.model = model
         self.kind = kind
         self.steps_per_execution = max(1, int(model.steps_per_execution))
+        #: Replicas of its device programs, the steps each runs per call, and the batches
+        #: a call takes (step i of replica r takes batch i * replicas + r).
+        self.replicas = model.distribute_strategy.replication_factor
+        self.steps_per_call = replication.per_call_steps(self.steps_per_execution,
+                                                         self.replicas, kind)
+        self.batches_per_call = self.steps_per_call * self.replicas
         self._programs: dict[tuple, tuple[LoweredProgram, Any]] = {}
         self._pull_fn: Any = None
         self._group_pull_fn: Any = None
@@ -263,9 +276,13 @@ class IPUStepFunction:
         if self.kind == "predict":
             groups = self._group([self._strip(b) for b in data])
         elif (_is_tf_iterator(data) and self.kind != "predict" and self.steps_per_execution > 1
-                and infeed_device_pull(self.model)):
+                and infeed_device_pull(self.model) and self.replicas == 1):
             return self._device_pull(data)
         elif _is_tf_iterator(data):
+            if self.replicas > 1 and infeed_device_pull(self.model):
+                notices.once("device_pull with replicas",
+                             "set_infeed_queue_options(device_pull=True) has no effect with "
+                             "replicas yet: each call takes its batches stacked.")
             groups = self._take(data)
             if groups and infeed_prefetch_depth(self.model) > 0:
                 self._prefetch(data)  # the next call's batches, pulled while this one runs
@@ -273,14 +290,21 @@ class IPUStepFunction:
             batches = []
             for item in data:
                 batches.append(self._strip(item))
-                if len(batches) == self.steps_per_execution:
+                if len(batches) == self.batches_per_call:
                     break
+            if self.replicas > 1 and len(batches) % self.replicas:
+                raise ValueError(
+                    f"{self.model.name}: {self.kind}_on_batch got {len(batches)} batch(es) for "
+                    f"{self.replicas} replicas, which take one batch each: call fit/evaluate "
+                    f"(the replicas share out the dataset's batches), or attach one IPU.")
             groups = self._group(batches)
         if not groups:
             raise StopIteration
         with errors.plain_device_errors():
             outputs = [self._run_group(*g) for g in groups]
         if self.kind != "predict":
+            if self.replicas > 1:
+                return replication.reduce_logs(self.model, outputs[-1])
             return outputs[-1]
         result = outputs[0]
         for more in outputs[1:]:
@@ -352,17 +376,21 @@ class IPUStepFunction:
         self._next = (iterator, self._worker.submit(pull))
 
     def _pull(self, iterator: Any) -> list[tuple[Any, list[tf.Tensor], int]]:
-        """Pulls up to N batches from a tf iterator in one traced call, stacked per input."""
+        """Pulls up to N batches (N x replicas) from a tf iterator in one traced call,
+        stacked per input."""
         if self._pull_fn is None:
             self._pull_fn = self._make_pull(iterator)
         count, sizes, flat = self._pull_fn(iterator)
         count = int(count)
+        sizes = sizes.numpy()
+        if self.replicas > 1 and count:
+            count = replication.usable_batches([int(b) for b in sizes[:count]], self.replicas,
+                                               f"{self.model.name}.{self.kind}")
         if count == 0:
             return []
         spec = iterator.element_spec
         leaves = tf.nest.flatten(spec)
         keep = [i for i, s in enumerate(leaves) if isinstance(s, tf.TensorSpec)]
-        sizes = sizes.numpy()
         # Runs of equal batch size (all of them, but for an epoch's last, smaller batch).
         groups = []
         start = 0
@@ -384,7 +412,7 @@ class IPUStepFunction:
         return groups
 
     def _make_pull(self, iterator: Any, n: int | None = None) -> Any:
-        n = self.steps_per_execution if n is None else n
+        n = self.batches_per_call if n is None else n
         spec = iterator.element_spec
         leaves = tf.nest.flatten(spec)
         keep = [i for i, s in enumerate(leaves) if isinstance(s, tf.TensorSpec)]
@@ -622,10 +650,12 @@ class IPUStepFunction:
         return lowered, runner, feed
 
     def _run_group(self, structure: Any, stacked: list[tf.Tensor], k: int) -> Any:
-        """One device call over ``k`` stacked batches (padded to N)."""
-        n = self.steps_per_execution
+        """One device call over ``k`` stacked batches (padded to N x replicas)."""
+        n = self.batches_per_call
+        replicas = self.replicas
+        steps = -(-k // replicas)  # each replica's (a predict call's last group may pad)
         if self.kind == "train":
-            accumulation.check_call(self.model, k, n)
+            accumulation.check_call(self.model, steps, self.steps_per_execution)
         present = [i for i, x in enumerate(tf.nest.flatten(structure)) if x is not None]
         if k < n:
             stacked = [
@@ -640,11 +670,14 @@ class IPUStepFunction:
             entry = self._lower(structure, present, stacked)
             self._programs[key] = entry
             if self.kind == "train" and stacked and stacked[0].shape.rank > 1:
-                accumulation.log_effective_batch(self.model, int(stacked[0].shape[1]))
+                accumulation.log_effective_batch(self.model, int(stacked[0].shape[1]), replicas)
         _, runner = entry
         with interrupt.deferred_interrupt():  # Ctrl-C: KeyboardInterrupt once the call stops
-            result = runner(tf.constant(k, tf.int32), *stacked)
+            result = runner(tf.constant(steps, tf.int32), *stacked)
         self.device_calls += 1
+        if self.kind == "predict" and replicas > 1:
+            return tf.nest.map_structure(
+                lambda t: replication.predictions_in_order(t, k), result)
         if self.kind == "predict":
             # [N, batch, ...] per output: keep the k real steps, merge steps into the batch.
             def unstack(t: tf.Tensor) -> tf.Tensor:
@@ -659,7 +692,8 @@ class IPUStepFunction:
 
         model = self.model
         strategy = model.distribute_strategy
-        n = self.steps_per_execution
+        n = self.steps_per_call
+        replicas = self.replicas
         kind = self.kind
         step_fn = {
             "train": model.train_step,
@@ -667,10 +701,14 @@ class IPUStepFunction:
             "predict": model.predict_step,
         }[kind]
         n_leaves = len(tf.nest.flatten(structure))
+        rid: list[Any] = []  # this replica's index, made once per program (replicated only)
 
         def batch_at(flat_stacked: tuple, i: Any) -> Any:
             # One dynamic-slice per input (indexing t[i] would add strided_slice's bounds
-            # arithmetic to every step of the program).
+            # arithmetic to every step of the program). Replica r's step i takes batch
+            # i * replicas + r.
+            if replicas > 1:
+                i = i * replicas + rid[0]
             values: list[Any] = [None] * n_leaves
             for j, idx in enumerate(present):
                 t = flat_stacked[j]
@@ -688,14 +726,23 @@ class IPUStepFunction:
         # The step's results (logs, or predictions): their structure, dtypes and shapes give
         # the loop its initial state, so that the program holds the step once, in the loop
         # body. Found by tracing one step in a scratch graph (not lowered, not compiled).
-        with strategy.lowering(), feeds.scratch_trace():
-            out_spec = tf.function(lambda *flat: one_step(flat, 0)).get_concrete_function(
+        def scratch_step(*flat: Any) -> Any:
+            if replicas > 1:
+                rid[:] = [tf.constant(0)]
+            return one_step(flat, 0)
+
+        with strategy.lowering(replicas), feeds.scratch_trace():
+            out_spec = tf.function(scratch_step).get_concrete_function(
                 *specs[1:]
             ).structured_outputs
         flat_spec = tf.nest.flatten(out_spec)
 
         def device_loop(n_steps: tf.Tensor, *flat_stacked: tf.Tensor) -> Any:
-            with strategy.lowering():
+            with strategy.lowering(replicas):
+                if replicas > 1:
+                    from tf_ipu.strategy import replica_id
+
+                    rid[:] = [replica_id()]
                 if n == 1:
                     # One step a call: no loop (n_steps is always 1). Variable updates are
                     # then at the program's top level, where the device writes them into
@@ -731,5 +778,6 @@ class IPUStepFunction:
                 return tf.nest.pack_sequence_as(out_spec, final)
 
         model_name = getattr(model, "name", "model")
-        return _compiled(device_loop, specs, f"{model_name}/{kind}_function[steps={n}]")
+        shown = f"steps={n}" + (f", replicas={replicas}" if replicas > 1 else "")
+        return _compiled(device_loop, specs, f"{model_name}/{kind}_function[{shown}]", replicas)
 

@@ -76,6 +76,9 @@ class ProgramEntry:
     # The entry outputs the kernel has, in its order (the signature's "op_outputs"; the
     # new values of resident variables stay on the device and are not among them).
     op_outputs: list[int] | None = None
+    # Replicas that run it at once (the signature's "replicas"): its outputs then have a
+    # leading dimension of replicas.
+    replicas: int = 1
 
 
 @dataclass
@@ -97,9 +100,26 @@ class CompileReport:
     details: dict[str, Any] = field(default_factory=dict)
     data_path: str = ""  # how tensors cross to the device (tf_ipu.transport)
 
+    @property
+    def replicas(self) -> int:
+        """Replicas the program runs as (1: not replicated)."""
+        return int(self.details.get("replicas", 1) or 1)
+
+    @property
+    def all_reduce_share(self) -> float:
+        """The replicas' all-reduces' share of the call's estimated time (0 for one)."""
+        cycles = float(self.details.get("cycles", 0) or 0)
+        return float(self.details.get("all_reduce_cycles", 0) or 0) / cycles if cycles else 0.0
+
     def summary(self) -> str:
+        replicated = ""
+        if self.replicas > 1:
+            replicated = (f" x {self.replicas} replicas on "
+                          f"{self.details.get('system') or 'plain IPUs'}, all-reduce "
+                          f"{self.all_reduce_share:.1%} of the call; memory per IPU")
         return (
-            f"{self.name} [{self.digest}] on {self.ipu_version} ({self.tiles_per_ipu} tiles): "
+            f"{self.name} [{self.digest}] on {self.ipu_version} ({self.tiles_per_ipu} tiles)"
+            f"{replicated}: "
             f"est. {self.cycles:,} cycles = {self.seconds * 1e3:.3f} ms per device call; "
             f"peak tile memory {self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
             f"{'' if self.fits else ' (DOES NOT FIT)'}; total {self.total_bytes:,} B"
@@ -164,6 +184,23 @@ class DeviceRuntime:
     def connected(self) -> bool:
         """Whether a session on the device server is open now."""
         return self._client is not None
+
+    def replication_factor(self) -> int:
+        """How many replicas a device program runs as: one per IPU the configuration asks
+        for (``select_ipus`` or ``auto_select_ipus``), as Graphcore derives it for a model
+        on one IPU (pipelined models, whose replica spans several IPUs, come with issue 14).
+        Configures the system first if it is not."""
+        if self._config is None:
+            self.ensure_configured()
+        cfg = self._config
+        if cfg is None:
+            return 1
+        if cfg.select_ipus:
+            return max(1, len(cfg.select_ipus))
+        count = cfg.auto_select_ipus
+        if isinstance(count, (list, tuple)):
+            count = count[0] if count else 1
+        return max(1, int(count))
 
     @property
     def client(self) -> DeviceClient:
@@ -389,11 +426,14 @@ class DeviceRuntime:
 
     def register_program(self, program: bytes, signature: str) -> int:
         """Registers a program by content; returns its id (the same for the same bytes)."""
-        digest = hashlib.sha256(program).hexdigest()
+        sig = json.loads(signature)
+        replicas = int(sig.get("replicas", 1))
+        # The same module run by several replicas is another executable.
+        digest = hashlib.sha256(program + (f"|replicas={replicas}".encode() if replicas > 1
+                                           else b"")).hexdigest()
         with self._lock:
             if digest in self._by_digest:
                 return self._by_digest[digest]
-            sig = json.loads(signature)
             entry = ProgramEntry(
                 digest=digest,
                 program=program,
@@ -404,6 +444,7 @@ class DeviceRuntime:
                     for d in sig.get("dynamic_outputs", ())
                 },
                 op_outputs=[int(k) for k in sig["op_outputs"]] if "op_outputs" in sig else None,
+                replicas=replicas,
             )
             self._programs.append(entry)
             pid = len(self._programs) - 1
@@ -430,6 +471,7 @@ class DeviceRuntime:
                 fault_inject_opcode=cfg.debug.fault_inject_opcode if cfg else "",
                 allow_out_of_memory=cfg.debug.allow_out_of_memory if cfg else False,
                 **(cfg.compile_numerics() if cfg else {}),
+                replicas=entry.replicas,
             )
         entry.executable_id = compiled.executable_id
         entry.aliases = dict(compiled.aliases)

@@ -56,12 +56,68 @@ def _as_tensor(value: Any) -> tf.Tensor | None:
 
 
 class _IPUExtended(OneDeviceExtended):
-    """OneDeviceExtended whose variables are IPUVariables (device-resident)."""
+    """OneDeviceExtended whose variables are IPUVariables (device-resident), and whose
+    reductions in a replicated device program are all-reduces across its replicas."""
 
     def _create_variable(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         from tf_ipu.variables import make_ipu_variable
 
         return make_ipu_variable(super()._create_variable(next_creator, **kwargs))
+
+    def _reduce_to(self, reduce_op: Any, value: Any, destinations: Any, options: Any) -> Any:
+        return self._batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
+                         options: Any) -> list[Any]:
+        """Inside a device program of R > 1 replicas: one all-reduce of every value across
+        the replicas (``tf_ipu_all_reduce``, a sum or a mean), as Graphcore's IPUStrategy
+        reduces with its cross-replica sum and mean. Keras's optimizer sums its gradients
+        this way. Elsewhere (one replica, or on the host): the values as they are."""
+        values = [v for v, _ in value_destination_pairs]
+        replicas = _lowering_replicas()
+        if replicas <= 1 or not values:
+            return values
+        op = {tf.distribute.ReduceOp.SUM: "sum", tf.distribute.ReduceOp.MEAN: "mean"}.get(reduce_op)
+        if op is None:
+            raise ValueError(f"IPUStrategy reduces across replicas with SUM or MEAN, not {reduce_op}.")
+        return all_reduce(values, op)
+
+
+def _replica_zero(lowered: LoweredProgram, result: Any) -> Any:
+    """The results of ``strategy.run`` from a replicated program: replica 0's (an outfeed
+    carries every replica's values)."""
+    if lowered.replicas <= 1 or result is None:
+        return result
+    return tf.nest.map_structure(lambda t: t[0], result)
+
+
+def _lowering_replicas() -> int:
+    """Replicas of the device program being lowered on this thread (1 outside one)."""
+    return getattr(_state, "replicas", 1) if _lowering_depth() > 0 else 1
+
+
+def all_reduce(values: list[Any], op: str = "sum") -> list[tf.Tensor]:
+    """``values`` reduced across the replicas of the device program being lowered: one
+    ``tf_ipu_all_reduce`` for all of them (docs/ir.md). Sparse gradients (IndexedSlices)
+    are reduced as dense tensors."""
+    from tensorflow.compiler.tf2xla.python import xla
+
+    from device_server.protocol import ALL_REDUCE_TARGET
+
+    dense = [tf.convert_to_tensor(v) for v in values]
+    return list(xla.custom_call_v2(
+        ALL_REDUCE_TARGET, dense, [tf.TensorSpec(t.shape, t.dtype) for t in dense],
+        backend_config=op, has_side_effect=True))
+
+
+def replica_id() -> tf.Tensor:
+    """This replica's index (int32, 0 .. replicas-1) in the device program being lowered."""
+    from tensorflow.compiler.tf2xla.python import xla
+
+    from device_server.protocol import REPLICA_ID_TARGET
+
+    (rid,) = xla.custom_call_v2(REPLICA_ID_TARGET, [], [tf.TensorSpec([], tf.int32)])
+    return rid
 
 
 class IPUStrategy(tf.distribute.OneDeviceStrategy):
@@ -137,13 +193,29 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         return dataset_fn(tf.distribute.InputContext(1, 0, 1))
 
     @contextlib.contextmanager
-    def lowering(self) -> Iterator[None]:
-        """Marks code being traced into a device program (``run`` then runs inline)."""
+    def lowering(self, replicas: int | None = None) -> Iterator[None]:
+        """Marks code being traced into a device program (``run`` then runs inline) of
+        ``replicas`` replicas (None: as the enclosing program, else 1)."""
+        previous = getattr(_state, "replicas", 1)
         _state.depth = _lowering_depth() + 1
+        if replicas is not None:
+            _state.replicas = replicas
         try:
             yield
         finally:
             _state.depth -= 1
+            _state.replicas = previous
+
+    @property
+    def replication_factor(self) -> int:
+        """How many replicas device programs run as: one per IPU the configuration
+        attaches (``IPUConfig.auto_select_ipus``), each with the whole model and its own
+        batches. ``num_replicas_in_sync`` stays 1, as on Graphcore's IPUStrategy, so Keras
+        sums the replicas' gradients without scaling the loss (docs/porting.md)."""
+        from tf_ipu import runtime
+
+        self._ensure_configured()
+        return runtime.get_runtime().replication_factor()
 
     # Not converted by autograph when called inside a user's tf.function: its compile step
     # talks to the device server (autograph would otherwise walk into the gRPC client and warn
@@ -195,7 +267,8 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
                 f"tf.function), so that the host can feed the device while it runs."
             )
         specs = tuple(tf.TensorSpec(t.shape, t.dtype) for t in flat)
-        key = (specs, tuple(sorted(
+        replicas = self.replication_factor
+        key = (replicas, specs, tuple(sorted(
             (k, ("infeed", v.feed, repr(v.element_spec)) if isinstance(v, feeds.DeviceIterator)
              else ("object", id(v))) for k, v in static.items())))
         try:
@@ -209,14 +282,14 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
                 given = iter(tensors)
                 values = [static[k] if k in static else next(given) for k in range(len(leaves))]
                 a, kw = tf.nest.pack_sequence_as(structure, values)
-                with self.lowering():
+                with self.lowering(replicas):
                     out = self.extended.call_for_each_replica(fn, args=a, kwargs=kw)
                 # An operation (Graphcore's loops return one when nothing is loop-carried)
                 # is something to wait for: the call returns a value computed from it.
                 return tf.nest.map_structure(_after_operation, out)
 
             with feeds.collecting_infeeds() as queues:  # infeed queues fn's closure holds
-                lowered = lower_function(flat_fn, list(specs), f"run:{name}")
+                lowered = lower_function(flat_fn, list(specs), f"run:{name}", replicas)
             from tf_ipu import runtime
 
             runtime.get_runtime().compile(lowered.program, lowered.signature)
@@ -230,7 +303,7 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         infeeds.update({feed: feeds.host_iterator(q) for feed, q in queues.items()})
         if not infeeds:
             with errors.plain_device_errors():
-                return call_lowered(lowered, flat)
+                return _replica_zero(lowered, call_lowered(lowered, flat))
         from tf_ipu import runtime
 
         client = runtime.get_runtime().client
@@ -249,7 +322,7 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
         for feeder in feeders:
             if feeder.failure is not None:
                 raise feeder.failure
-        return result
+        return _replica_zero(lowered, result)
 
     def _ensure_configured(self) -> None:
         from tf_ipu import runtime

@@ -58,7 +58,7 @@ from device_server.emulator.errors import (
     describe,
 )
 from device_server.emulator.estimate import Estimate, estimate_module
-from device_server.protocol import HOST_TARGETS, dtypes, ir_pb2
+from device_server.protocol import HOST_TARGETS, REPLICA_TARGETS, dtypes, ir_pb2
 
 _FIXED_ARITY = {
     **dict.fromkeys(
@@ -96,7 +96,7 @@ __all__ = ["CompileOptions", "Executable", "compile_module", "executable_from_re
 # Kernel modules. The spatial ones (conv, window, indexing) are written separately and may be
 # absent from a checkout; the rest are required.
 _KERNEL_MODULES = ("elementwise", "shapes", "dot", "reduce", "control", "rng", "linalg", "norm", "fft",
-                   "custom_linalg", "infeed")
+                   "custom_linalg", "infeed", "collectives")
 _OPTIONAL_KERNEL_MODULES = ("conv", "window", "indexing")
 
 
@@ -117,7 +117,7 @@ ALWAYS_REFUSED: frozenset[str] = frozenset()
 # Opcodes that are evaluated at compile time when all their operands are constants.
 _NOT_FOLDABLE = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "outfeed"})
 # custom-call targets that talk to the host at run time (never folded, never dead code).
-_RUN_TIME_TARGETS = HOST_TARGETS
+_RUN_TIME_TARGETS = HOST_TARGETS | REPLICA_TARGETS
 _FOLD_LIMIT_BYTES = 16 << 20
 # Ops that only pass their operand on (the value is immutable, so no copy is needed).
 _FORWARDING = frozenset({"copy", "opt-barrier"})
@@ -178,6 +178,12 @@ class CompileOptions:
     (0: derived from the module).
     ``inv``, ``div0``, ``oflo``: floating-point exception checks after every floating-point
     instruction (:class:`FloatingPointExceptionError`); ``nanoo``: an FP16 overflow gives NaN.
+
+    Replication (``emulator/replicas.py``): ``replicas``: how many replicas run the program
+    at once (1: not replicated); ``system``: the ``protocol.hardware.System`` whose IPUs run
+    them (None: the target's IPUs without links), ``ipu_ids``: which of its IPUs, one per
+    replica (empty: the first ``replicas``). The estimate charges the collectives over the
+    system's IPU-Links and the host transfers over its shared host links.
     """
 
     refuse_opcodes: frozenset[str] = frozenset()
@@ -192,6 +198,9 @@ class CompileOptions:
     div0: bool = False
     oflo: bool = False
     nanoo: bool = False
+    replicas: int = 1
+    system: Any = None
+    ipu_ids: tuple[int, ...] = ()
 
     def numerics(self, target: Target) -> numerics.Numerics:
         """The numerics these options ask for on ``target``."""
@@ -1610,7 +1619,8 @@ def compile_module(
     options = _checked_options(options)
     compiler, program = _build_program(module, target, options)
     sig = _Signature.of(module)
-    est = estimate_module(module, compiler.live_instructions, target)
+    est = estimate_module(module, compiler.live_instructions, target, replicas=options.replicas,
+                          system=options.system, ipu_ids=options.ipu_ids)
     if not est.fits and not options.allow_out_of_memory:
         raise OutOfMemoryError(est.oom_message())
     count = sum(len(v) for v in compiler.live.values())

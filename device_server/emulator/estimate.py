@@ -7,6 +7,8 @@ module keeps the names the compiler and the server use.
 
     est = estimate_module(module, live, target)   # Estimate: cycles, seconds, bytes per tile
     est.fits, est.oom_message(), est.to_dict(), est.save_html("report.html")
+    est = estimate_module(module, live, target, replicas=4, system=hardware.get_system("bow2000"))
+    est.all_reduce_cycles, est.all_reduce_share, est.ring   # replicated: per IPU + collectives
 """
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ class LoweredProgram:
     # module docstring); empty for static programs.
     dynamic_outputs: list[DynamicOutput] = field(default_factory=list)
     op_outputs: list[int] = field(default_factory=list)  # entry output of each kernel output
+    replicas: int = 1  # replicas that run it at once: every kernel output is [replicas, ...]
 
     @property
     def digest(self) -> str:
@@ -150,7 +151,7 @@ def _flatten_results(out: Any) -> list[tf.Tensor]:
 
 
 def lower_function(
-    fn: Callable[..., Any], arg_specs: Sequence[tf.TensorSpec], name: str
+    fn: Callable[..., Any], arg_specs: Sequence[tf.TensorSpec], name: str, replicas: int = 1,
 ) -> LoweredProgram:
     """Traces ``fn`` for ``arg_specs`` and lowers it to a device program.
 
@@ -159,6 +160,10 @@ def lower_function(
             variables; they become device-resident parameters.
         arg_specs: fully defined TensorSpecs.
         name: a name for messages and reports (e.g. "train_function").
+        replicas: how many replicas run the program at once (``fn`` is one replica's
+            program: every replica gets the same arguments and its own variables). Each of
+            the op's outputs then has a leading dimension of replicas, and ``call_lowered``
+            returns the results so.
 
     Returns:
         The ``LoweredProgram``.
@@ -272,8 +277,15 @@ def lower_function(
             pass  # XLA's bounds are the truth for the device; TF's shape only refines them
         dynamic_outputs.append(DynamicOutput(k, flags, shape))
 
+    if replicas > 1 and dynamic_outputs:
+        raise ValueError(
+            f"{name}: results whose size depends on the data (shapes "
+            f"{[str(d.shape) for d in dynamic_outputs]}) cannot come from a replicated "
+            f"program ({replicas} replicas): return values of static shapes.")
     sig: dict[str, Any] = {"version": 1, "name": name, "params": params,
                            "num_results": num_results}
+    if replicas > 1:
+        sig["replicas"] = int(replicas)
     if resident_outputs:
         sig["op_outputs"] = op_outputs
     if dynamic_outputs:
@@ -289,7 +301,8 @@ def lower_function(
         variables=ordered_vars,
         constants=ordered_consts,
         output_dtypes=[tf.as_dtype(wire_dtypes.to_numpy(out_shapes[k][0])) for k in op_outputs],
-        output_shapes=[tf.TensorShape(out_shapes[k][1]) for k in op_outputs],
+        output_shapes=[tf.TensorShape(((replicas,) if replicas > 1 else ()) + tuple(out_shapes[k][1]))
+                       for k in op_outputs],
         num_results=num_results,
         result_structure=holder["structure"],
         updates=updates,
@@ -301,6 +314,7 @@ def lower_function(
         },
         dynamic_outputs=dynamic_outputs,
         op_outputs=op_outputs,
+        replicas=max(1, int(replicas)),
     )
 
 
@@ -382,8 +396,8 @@ def call_lowered(lowered: LoweredProgram, args: Sequence[tf.Tensor]) -> Any:
     )
     position = {k: i for i, k in enumerate(lowered.op_outputs)}
     for index, var in lowered.updates:
-        if index in position:  # not resident: the device sent it back
-            var.assign(outs[position[index]])
+        if index in position:  # not resident: the device sent it back (replica 0's)
+            var.assign(outs[position[index]] if lowered.replicas == 1 else outs[position[index]][0])
     results = list(outs[: lowered.num_results])
     n_outputs = len(lowered.op_outputs)
     for d, dims in zip(dyn, outs[n_outputs:], strict=True):

@@ -56,10 +56,16 @@ def exchange_cycles(target: Target, max_bytes_in: float, max_bytes_out: float = 
     return target.exchange_overhead_cycles + busiest / target.exchange_bytes_per_cycle_per_tile
 
 
-def host_seconds(target: Target, bytes_in: int, bytes_out: int) -> float:
-    """Time to stream ``bytes_in`` to the device and ``bytes_out`` back over the host link."""
+def host_seconds(target: Target, bytes_in: int, bytes_out: int, *, bytes_per_s: float = 0.0,
+                 latency_s: float = -1.0, sharers: int = 1) -> float:
+    """Time to stream ``bytes_in`` to the device and ``bytes_out`` back over the host link:
+    the target's figures unless ``bytes_per_s`` / ``latency_s`` (a system's host link) are
+    given; ``sharers`` devices moving as much at once over that link multiply the bytes (the
+    latency is paid once per direction)."""
+    rate = bytes_per_s if bytes_per_s > 0 else target.host_link_bytes_per_s
+    latency = latency_s if latency_s >= 0 else target.host_link_latency_s
     total = 0.0
     for b in (bytes_in, bytes_out):
         if b > 0:
-            total += target.host_link_latency_s + b / target.host_link_bytes_per_s
+            total += latency + max(1, sharers) * b / rate
     return total

@@ -6,8 +6,10 @@
 Sections: summary (preset, latency, throughput, cycles by phase, memory), memory per tile
 across the chip by category (stacked, every tile), the fullest tile's largest contributors,
 top operations by cycles (with their Keras layer), cycles by layer, the BSP timeline
-(compute / sync / exchange of each superstep, loops marked), the batch-size sweep when the
-report carries one (``report["sweep"]``), and the assumptions and preset figures behind it all.
+(compute / sync / exchange of each superstep, loops marked; IPU-Links for the all-reduces
+and replica syncs of a replicated program), the replicas with their ring and host link, the
+batch-size sweep when the report carries one (``report["sweep"]``), and the assumptions and
+preset figures behind it all.
 The page is well-formed XML, so tests can parse it with ``xml.etree``.
 """
 
@@ -24,7 +26,7 @@ _COLORS = {
     "variables": "#4e79a7", "inputs": "#76b7b2", "constants": "#9c755f",
     "code and vertex state": "#b07aa1", "exchange code": "#ff9da7", "activations": "#f28e2b",
     "temporaries": "#e15759", "compute": "#59a14f", "exchange": "#e15759", "sync": "#bab0ac",
-    "latency": "#4e79a7", "throughput": "#f28e2b", "cycles": "#4e79a7",
+    "IPU-Links": "#edc948", "latency": "#4e79a7", "throughput": "#f28e2b", "cycles": "#4e79a7",
 }
 _W = 960  # chart width in px
 
@@ -146,26 +148,35 @@ def _timeline(report: dict[str, Any]) -> str:
     loops = [e for e in report.get("timeline") or [] if e.get("kind") == "loop"]
     if not entries:
         return "<p>No supersteps.</p>"
-    total = sum((e["compute"] + e["exchange"] + e["sync"]) * e.get("repeat", 1) for e in entries) or 1.0
-    left, lane, h = 70, 22, 110
+    def own(e: dict[str, Any]) -> float:
+        return e["compute"] + e["exchange"] + e["sync"] + e.get("link", 0.0)
+
+    total = sum(own(e) * e.get("repeat", 1) for e in entries) or 1.0
+    phases = ["compute", "sync", "exchange"]
+    if any(e.get("link") for e in entries):
+        phases.append("IPU-Links")
+    left, lane = 70, 22
+    h = 44 + lane * len(phases)
     pw = _W - left - 10
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">']
-    for n, p in enumerate(("compute", "sync", "exchange")):
+    for n, p in enumerate(phases):
         out.append(f'<text x="{left - 6}" y="{14 + n * lane + 12}" class="lbl" text-anchor="end">{p}</text>')
         out.append(f'<rect x="{left}" y="{14 + n * lane}" width="{pw}" height="{lane - 4}" fill="#f4f4f4"/>')
-    lanes = {"compute": 0, "sync": 1, "exchange": 2}
+    lanes = {p: n for n, p in enumerate(phases)}
     t = 0.0
     for e in entries:
         reps = e.get("repeat", 1)
         x = left + pw * t / total
-        for p in ("exchange", "sync", "compute"):  # a superstep: exchange, sync, compute
-            w = pw * e[p] * reps / total
-            if w >= (0.005 if p == "sync" else 0.05):
-                tip = f"{e['name']} ({e.get('layer') or e.get('opcode', '')}) {p} {e[p]:,.0f} x{reps}"
+        # a superstep: exchange, sync, compute; then what crosses the IPU-Links
+        for p, key in (("exchange", "exchange"), ("sync", "sync"), ("compute", "compute"),
+                       ("IPU-Links", "link")):
+            w = pw * e.get(key, 0.0) * reps / total
+            if w >= (0.005 if p == "sync" else 0.05) and p in lanes:
+                tip = f"{e['name']} ({e.get('layer') or e.get('opcode', '')}) {p} {e[key]:,.0f} x{reps}"
                 out.append(f'<rect x="{x:.2f}" y="{14 + lanes[p] * lane}" width="{max(w, 0.3):.2f}" '
                            f'height="{lane - 4}" fill="{_COLORS[p]}"><title>{_e(tip)}</title></rect>')
             x += w
-        t += (e["compute"] + e["exchange"] + e["sync"]) * reps
+        t += own(e) * reps
     for n in range(5):
         frac = n / 4
         anchor = "start" if n == 0 else "end" if n == 4 else "middle"
@@ -229,8 +240,11 @@ def _sweep(report: dict[str, Any]) -> str:
                       "throughput (items/s)", _COLORS["throughput"], lambda v: f"{v:,.0f}/s")
     rows = [(p["batch_size"], _fmt_s(p["latency_s"]), f"{p['throughput']:,.1f}",
              f"{p['peak_tile_bytes']:,}", "yes" if p["fits"] else "NO") for p in pts]
+    replicas = max(int(p.get("replicas", 1)) for p in pts)
+    per = (f"<p>Batch sizes per replica; throughput counts the items of all {replicas} "
+           "replicas.</p>") if replicas > 1 else ""
     return (f'<div class="row">{lat}{thr}</div>'
-            "<p>Hollow points do not fit the tile memory.</p>"
+            "<p>Hollow points do not fit the tile memory.</p>" + per
             + _table(["batch size", "latency", "items/s", "peak tile bytes", "fits"], rows))
 
 
@@ -262,7 +276,7 @@ def render_html(report: dict[str, Any]) -> str:
         ("target", f"{r.get('target', '')}, {r.get('tiles_per_ipu')} tiles at {clock / 1e9:.3g} GHz"),
         ("program", r.get("program", "")),
     ]
-    for k in ("model", "batch_size", "training", "inputs"):
+    for k in ("model", "batch_size", "global_batch", "training", "inputs"):
         if k in ctx:
             summary.append((k.replace("_", " "), ctx[k]))
     summary += [
@@ -271,9 +285,13 @@ def render_html(report: dict[str, Any]) -> str:
         ("cycles", f"{int(r.get('cycles', 0)):,} = device {int(r.get('device_cycles', 0)):,} "
                    f"(compute {int(r.get('compute_cycles', 0)):,}, exchange "
                    f"{int(r.get('exchange_cycles', 0)):,}, sync {int(r.get('sync_cycles', 0)):,}) "
-                   f"+ host transfers {int(r.get('host_cycles', 0)):,}"),
+                   + (f"+ all-reduce {int(r.get('all_reduce_cycles', 0)):,} + replica syncs "
+                      f"{int(r.get('replica_sync_cycles', 0)):,} "
+                      if int(r.get("replicas") or 1) > 1 else "")
+                   + f"+ host transfers {int(r.get('host_cycles', 0)):,}"),
         ("host transfers", f"{_fmt_bytes(r.get('host_bytes_in', 0))} in, "
-                           f"{_fmt_bytes(r.get('host_bytes_out', 0))} out"),
+                           f"{_fmt_bytes(r.get('host_bytes_out', 0))} out"
+                           + (" per replica" if int(r.get("replicas") or 1) > 1 else "")),
         ("supersteps", f"{int(r.get('supersteps', 0)):,}"),
         ("arithmetic", f"{float(r.get('flops', 0)) / 1e9:,.3f} GFLOP"),
         ("peak tile memory", f"tile {r.get('peak_tile')}: {int(r.get('peak_tile_bytes', 0)):,} B of "
@@ -281,6 +299,27 @@ def render_html(report: dict[str, Any]) -> str:
         ("total memory", f"{_fmt_bytes(r.get('total_bytes', 0))} "
                          f"({_fmt_bytes(r.get('always_live_bytes', 0))} always live)"),
     ]
+    replicas = int(r.get("replicas") or 1)
+    if replicas > 1:
+        cycles = float(r.get("cycles") or 0) or 1.0
+        ring = r.get("ring") or {}
+        link = r.get("host_link") or {}
+        summary[2:2] = [
+            ("replicas", f"{replicas} on {r.get('system', '')} IPUs "
+                         f"{', '.join(map(str, r.get('ipu_ids') or []))}; memory and time are per "
+                         "IPU (each replica runs this program)"),
+            ("all-reduce", f"{int(r.get('all_reduces', 0)):,} per call, "
+                           f"{_fmt_bytes(r.get('all_reduce_bytes', 0))} per replica, "
+                           f"{_fmt_s(float(r.get('all_reduce_cycles', 0)) / clock)} = "
+                           f"{float(r.get('all_reduce_cycles', 0)) / cycles:.1%} of the call; ring "
+                           f"{' > '.join(map(str, ring.get('ipus', [])))} at "
+                           f"{float(ring.get('bytes_per_s', 0)) / 1e9:,.1f} GB/s, "
+                           f"{float(ring.get('step_latency_s', 0)) * 1e6:.2f} us per step"),
+            ("replica syncs", f"{int(r.get('replica_syncs', 0)):,} per call, "
+                              f"{_fmt_s(float(r.get('replica_sync_cycles', 0)) / clock)}"),
+            ("host link", f"{link.get('kind', '')}: {link.get('replicas', 1)} replica(s) on it, "
+                          f"{float(link.get('bytes_per_s', 0)) / 1e9:,.1f} GB/s each way"),
+        ]
     verdict = ('<span class="ok">fits</span>' if fits else
                '<span class="bad">DOES NOT FIT</span> (out of memory on tile '
                f'{_e(r.get("peak_tile"))})')
@@ -291,8 +330,11 @@ def render_html(report: dict[str, Any]) -> str:
     layer_rows = [(name, f"{b:,}") for name, b in (r.get("by_layer") or [])[:15]]
     top = r.get("top_ops") or []
     top_rows = [(o["name"] + (f" (+{o['fused'] - 1} fused)" if o.get("fused", 1) > 1 else ""),
-                 {"compute": o["compute"], "sync": o["sync"], "exchange": o["exchange"]},
+                 {"compute": o["compute"], "sync": o["sync"], "exchange": o["exchange"],
+                  "IPU-Links": o.get("link", 0.0)},
                  f"{o['opcode']} {o.get('layer', '')}") for o in top[:25]]
+    top_phases = ("compute", "sync", "exchange") + \
+        (("IPU-Links",) if any(o.get("link") for o in top[:25]) else ())
     top_table = [(o["name"], o["opcode"], o.get("layer", ""), f"{o['cycles']:,.0f}",
                   f"{o['compute']:,.0f}", f"{o['exchange']:,.0f}", f"{o['sync']:,.0f}",
                   o["supersteps"], o["tiles"]) for o in top[:25]]
@@ -318,7 +360,7 @@ def render_html(report: dict[str, Any]) -> str:
         _table(["tensor", "opcode", "Keras layer", "kind", "bytes", "inside"], contrib_rows),
         _table(["Keras layer (or kind)", "bytes on the tile"], layer_rows),
         "<h2>Top operations by cycles</h2>",
-        _bars(top_rows, ("compute", "sync", "exchange")),
+        _bars(top_rows, top_phases),
         _table(["instruction", "opcode", "Keras layer", "cycles", "compute", "exchange", "sync",
                 "supersteps", "tiles"], top_table),
         "<h2>Cycles by Keras layer</h2>",

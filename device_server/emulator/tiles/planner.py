@@ -34,6 +34,11 @@ How each kind of instruction is planned:
   grad) a reduction of per-feature partial sums across tiles and their return to every tile.
 * **while** plans its condition and body once and repeats their supersteps by the trip count
   (``loops.py``); **call** plans the callee in place; **conditional** costs its costliest branch.
+* **custom-call** ``tf_ipu_all_reduce`` of a replicated program is a ring all-reduce over the
+  system's IPU-Links (``replication.py``): one step whose ``link`` cycles are the ring's time;
+  with one replica it is a view of its operands (nothing beyond a copy). With several
+  replicas every call, and every trip of a loop of the entry computation (the device loop),
+  also pays a sync across the replicas' IPUs. ``tf_ipu_replica_id`` is a scalar.
 
 Entry parameters are *variables* (resident on the device), *arguments* (streamed from the host
 each call) or *constants*; the lowering says which in ``source_type``, else a parameter whose
@@ -56,7 +61,14 @@ from device_server.emulator.tiles import cycles as cyc
 from device_server.emulator.tiles.loops import TripCount, loop_trip_count
 from device_server.emulator.tiles.mapping import Allocator, TileMapping
 from device_server.emulator.tiles.matmul import MatmulPlan, MatmulProblem, plan_matmul
-from device_server.protocol import HOST_TARGETS, dtypes, ir_pb2
+from device_server.emulator.tiles.replication import Replication, all_reduce_seconds
+from device_server.protocol import (
+    HOST_TARGETS,
+    REPLICA_ID_TARGET,
+    REPLICA_TARGETS,
+    dtypes,
+    ir_pb2,
+)
 
 __all__ = ["Buf", "CompPlan", "ModulePlan", "OpRecord", "Step", "layer_name", "plan_module"]
 
@@ -150,6 +162,15 @@ def _attr_str(instr: ir_pb2.Instruction, name: str, default: str = "") -> str:
     return v.s if v.WhichOneof("value") == "s" else default
 
 
+def _backend_config(instr: ir_pb2.Instruction) -> str:
+    if "backend_config" not in instr.attrs:
+        return ""
+    v = instr.attrs["backend_config"]
+    kind = v.WhichOneof("value")
+    raw = v.s if kind == "s" else v.b.decode("utf-8", "replace") if kind == "b" else ""
+    return raw.strip()
+
+
 def _int(instr: ir_pb2.Instruction, name: str, default: int = 0) -> int:
     if name not in instr.attrs:
         return default
@@ -218,7 +239,7 @@ class Step:
     """One BSP superstep (or ``repeat`` identical ones): cycles of the slowest tile."""
 
     __slots__ = ("name", "opcode", "layer", "kind", "compute", "exchange", "sync", "tiles",
-                 "flops", "repeat", "order", "children", "ew")
+                 "flops", "repeat", "order", "children", "ew", "link", "link_bytes")
 
     def __init__(self, instr: ir_pb2.Instruction, kind: str, compute: float, exchange: float,
                  sync: float, tiles: int, flops: float, order: int, repeat: int = 1) -> None:
@@ -235,6 +256,11 @@ class Step:
         self.order = order
         self.children: list[CompPlan] = []   # loops and calls: the called computations' plans
         self.ew: _EwGroup | None = None
+        # Between IPUs (replicated programs): cycles of an all-reduce over the IPU-Links or of
+        # a sync across the replicas' IPUs ("all-reduce" / "replica-sync" steps), and the bytes
+        # each replica sends into the all-reduce.
+        self.link = 0.0
+        self.link_bytes = 0.0
 
     def __repr__(self) -> str:
         rep = f" x{self.repeat}" if self.repeat != 1 else ""
@@ -244,8 +270,21 @@ class Step:
     @property
     def cycles(self) -> float:
         """Cycles of one repetition, including called computations."""
-        own = self.compute + self.exchange + self.sync
+        own = self.compute + self.exchange + self.sync + self.link
         return own + sum(c.cycles for c in self.children)
+
+    def link_totals(self) -> dict[str, list[float]]:
+        """Per kind of step with ``link`` cycles ("all-reduce", "replica-sync"): [cycles,
+        bytes, executions] of all repetitions, including children."""
+        out: dict[str, list[float]] = {}
+        if self.link or self.link_bytes:
+            out[self.kind] = [self.link, self.link_bytes, 1.0]
+        for child in self.children:
+            _add_totals(out, child.link_totals())
+        for v in out.values():
+            for n in range(3):
+                v[n] *= self.repeat
+        return out
 
     def totals(self) -> tuple[float, float, float, float]:
         """(compute, exchange, sync, flops) of all repetitions, including children."""
@@ -304,12 +343,26 @@ class CompPlan:
             c, e, s, f = c + cc, e + ee, s + ss, f + ff
         return c, e, s, f
 
+    def link_totals(self) -> dict[str, list[float]]:
+        """:meth:`Step.link_totals` of all its steps."""
+        out: dict[str, list[float]] = {}
+        for step in self.steps:
+            _add_totals(out, step.link_totals())
+        return out
+
     def supersteps(self) -> int:
         n = 0
         for s in self.steps:
             n += s.repeat * ((1 if s.kind not in ("loop", "call") else 0)
                              + sum(c.supersteps() for c in s.children))
         return n
+
+
+def _add_totals(into: dict[str, list[float]], more: dict[str, list[float]]) -> None:
+    for kind, v in more.items():
+        acc = into.setdefault(kind, [0.0, 0.0, 0.0])
+        for n in range(3):
+            acc[n] += v[n]
 
 
 @dataclass
@@ -347,6 +400,8 @@ class ModulePlan:
     loops: list[dict[str, Any]]
     notes: list[str]
     flops: float
+    replication: Replication | None = None   # None: one replica, the target's host link
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # each all-reduce planned
 
     def op(self, name: str) -> OpRecord:
         """The record of the instruction called ``name``."""
@@ -360,8 +415,11 @@ class ModulePlan:
 
 class _Planner:
     def __init__(self, module: ir_pb2.Module, target: Target, live: LiveFn,
-                 kinds: dict[int, str] | None, mappings: dict[str, TileMapping] | None) -> None:
+                 kinds: dict[int, str] | None, mappings: dict[str, TileMapping] | None,
+                 replication: Replication | None = None) -> None:
         self.module = module
+        self.rep = replication if replication is not None and replication.replicated else None
+        self.collectives: list[dict[str, Any]] = []
         self.t = target
         self.T = target.tiles_per_ipu
         self.live = live
@@ -564,6 +622,10 @@ class _Planner:
             return self._view(ops[0], instr)
         if op in _TINY or instr.shape.dtype == ir_pb2.TOKEN:
             return Bcast(None, 1, _itemsize(instr.shape))
+        if op == "custom-call" and _attr_str(instr, "custom_call_target") in REPLICA_TARGETS:
+            if _attr_str(instr, "custom_call_target") == REPLICA_ID_TARGET:
+                return Bcast(None, 1, _itemsize(instr.shape))
+            return self._all_reduce(ctx, instr, ops, k)
         if op == "broadcast":
             return self._broadcast(ops[0], instr)
         if op == "transpose" and self._trivial_transpose(instr, ops[0]):
@@ -1261,6 +1323,8 @@ class _Planner:
         for old, new in zip(state_leaves, _leaves(body.root), strict=False):
             if new is not old and isinstance(old, Buf):
                 copy_bytes = max(copy_bytes, self.mapping_of(old).max_elements * old.itemsize)
+        if ctx.caller is None:  # the device loop: each step syncs the replicas
+            self.replica_sync(body, f"replica sync of {instr.name}", len(body.points))
         loop = Step(instr, "loop", 0.0, 0.0, 0.0, self.T, 0.0, k, repeat=max(0, trips.trips))
         loop.children = [cond, body]
         if copy_bytes:
@@ -1306,6 +1370,79 @@ class _Planner:
         self.record(instr, None, [step], 0.0, f"costliest of {len(branches)} branch(es)")
         return out
 
+    # -- replicas -----------------------------------------------------------------------
+    def _all_reduce(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
+        """``tf_ipu_all_reduce``: a ring all-reduce over the replicas' IPUs, in place (as
+        GCL's cross-replica all-reduce of gradients runs: the result is the operand's buffer);
+        each tile holds one ring chunk (1/R of its share) of receive buffer meanwhile. The
+        additions of each step run on the tiles while the next chunk travels and are not
+        charged (the links are far slower). One replica: the operands themselves (a view)."""
+        if self.rep is None:
+            return tuple(ops) if instr.shape.is_tuple else (ops[0] if ops else Bcast(None, 1, 0))
+        rep = self.rep
+        assert rep.ring is not None
+        self.use(ctx, ops, k)
+        outs: list[Buf] = []
+        nbytes = 0
+        temp = 0.0
+        for v, shape in zip(ops, _leaf_shapes(instr.shape), strict=False):
+            elems, item = max(1, _elems(shape)), max(1, _itemsize(shape))
+            if isinstance(v, Buf) and v.elements == elems and v.itemsize == item:
+                m = self.mapping_of(v)
+                outs.append(v)  # in place
+            else:
+                m = self.alloc.linear(elems, item)
+                b = Buf(instr, item, elems, "activation", ctx, k, m)
+                ctx.bufs.append(b)
+                outs.append(b)
+            nbytes += elems * item
+            chunk = m.max_elements * item / rep.replicas   # one ring chunk per tile
+            ctx.points[k].temps.append((m, chunk))
+            temp = max(temp, chunk)
+        if not outs:
+            return Bcast(None, 1, 0)
+        seconds = all_reduce_seconds(rep.ring, rep.replicas, nbytes)
+        step = self.step(ctx, instr, "all-reduce", outs[0].mapping, 0.0, 0.0, 0.0, k,
+                         codelet="all-reduce")
+        step.sync = 0.0
+        step.link = seconds * self.t.clock_hz
+        step.link_bytes = float(nbytes)
+        reduction = _backend_config(instr) or "sum"
+        self.collectives.append({
+            "name": instr.name, "layer": layer_name(instr), "reduction": reduction,
+            "bytes": nbytes, "seconds": seconds, "cycles": step.link,
+        })
+        self.record(instr, outs[0].mapping, [step], temp,
+                    f"ring all-reduce ({reduction}) of {nbytes:,} B per replica over "
+                    f"{rep.replicas} replicas: {seconds * 1e6:,.2f} us")
+        return tuple(outs) if instr.shape.is_tuple else outs[0]
+
+    def replica_sync(self, ctx: CompPlan, what: str, order: int) -> Step | None:
+        """A sync across the replicas' IPUs appended to ``ctx`` (None: one replica)."""
+        if self.rep is None:
+            return None
+        instr = ir_pb2.Instruction(name=what, opcode="replica-sync")
+        step = Step(instr, "replica-sync", 0.0, 0.0, 0.0, self.T, 0.0, order)
+        step.link = self.rep.external_sync_s * self.t.clock_hz
+        ctx.steps.append(step)
+        return step
+
+    def implied_all_reduce(self, ctx: CompPlan, nbytes: int) -> None:
+        """An all-reduce of ``nbytes`` per replica that the module does not contain, at the
+        end of ``ctx`` (no memory: its data exist anyway)."""
+        assert self.rep is not None and self.rep.ring is not None
+        seconds = all_reduce_seconds(self.rep.ring, self.rep.replicas, nbytes)
+        instr = ir_pb2.Instruction(name="implied all-reduce", opcode="custom-call")
+        step = Step(instr, "all-reduce", 0.0, 0.0, 0.0, self.T, 0.0, len(ctx.points))
+        step.link = seconds * self.t.clock_hz
+        step.link_bytes = float(nbytes)
+        ctx.steps.append(step)
+        self.collectives.append({"name": instr.name, "layer": "", "reduction": "sum",
+                                 "bytes": nbytes, "seconds": seconds, "cycles": step.link,
+                                 "implied": True})
+        self.notes.append(f"an all-reduce of {nbytes:,} B per replica that the program does not "
+                          "contain is charged once per call (the replicas' gradient sum)")
+
 
 def live_instructions(comp: ir_pb2.Computation) -> list[ir_pb2.Instruction]:
     """The instructions the root depends on (and every parameter), in program order: the
@@ -1313,7 +1450,7 @@ def live_instructions(comp: ir_pb2.Computation) -> list[ir_pb2.Instruction]:
     by_id = {i.id: i for i in comp.instructions}
     needed = {comp.root_id} | {
         i.id for i in comp.instructions
-        if i.opcode == "custom-call" and _attr_str(i, "custom_call_target") in HOST_TARGETS
+        if i.opcode == "custom-call" and _attr_str(i, "custom_call_target") in HOST_TARGETS | REPLICA_TARGETS
     }
     for instr in reversed(comp.instructions):
         if instr.id in needed:
@@ -1323,7 +1460,9 @@ def live_instructions(comp: ir_pb2.Computation) -> list[ir_pb2.Instruction]:
 
 def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = None, *,
                 param_kinds: dict[int, str] | None = None,
-                mappings: dict[str, TileMapping] | None = None) -> ModulePlan:
+                mappings: dict[str, TileMapping] | None = None,
+                replication: Replication | None = None,
+                implied_all_reduce_bytes: int = 0) -> ModulePlan:
     """Plans ``module`` for ``target`` (see module docstring).
 
     Args:
@@ -1335,12 +1474,22 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
             overriding what the module says.
         mappings: instruction name -> :class:`TileMapping` for entry parameters and
             constants (to study a given layout, e.g. a tensor on one tile).
+        replication: the replicas running the program (``replication.replication``); None
+            or one replica: a single-IPU program.
+        implied_all_reduce_bytes: bytes per replica of an all-reduce the replicated run
+            implies but the module does not contain (a training step lowered without its
+            cross-replica gradient sum), charged once per call at the end of the program.
 
     Returns:
         The :class:`ModulePlan`.
     """
-    planner = _Planner(module, target, live or live_instructions, param_kinds, mappings)
+    planner = _Planner(module, target, live or live_instructions, param_kinds, mappings, replication)
     entry, params = planner.plan_entry()
+    if planner.rep is not None:
+        planner.replica_sync(entry, "replica sync of the call", -1)
+        entry.steps.insert(0, entry.steps.pop())  # at the start of the call
+        if implied_all_reduce_bytes > 0:
+            planner.implied_all_reduce(entry, int(implied_all_reduce_bytes))
     for b in params:
         planner.mapping_of(b)
     for rec in planner.ops.values():
@@ -1365,4 +1514,4 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
     flops = entry.totals()[3]
     return ModulePlan(target, entry, planner.ops, params, planner.constants, code,
                       planner.exch_code, int(host_in), int(host_out), planner.loops,
-                      list(dict.fromkeys(planner.notes)), flops)
+                      list(dict.fromkeys(planner.notes)), flops, replication, planner.collectives)

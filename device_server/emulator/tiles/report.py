@@ -9,6 +9,14 @@
 Cycles are device cycles (supersteps: compute + sync + exchange, slowest tile each) plus the
 host transfers of streamed arguments and results, converted at the preset's clock, so that
 ``seconds == cycles / clock_hz``; ``device_cycles`` leaves the host link out.
+
+A replicated program (``replicas`` > 1, ``replication.py``) is the program of one replica:
+memory, cycles and time are those of each IPU (every replica runs the same program at once),
+with its all-reduces over the IPU-Links (``all_reduce_cycles``), the replicas' syncs
+(``replica_sync_cycles``) and its share of the system's host links added, serially:
+
+    cycles = device_cycles + all_reduce_cycles + replica_sync_cycles + host_cycles
+    throughput = replicas x items_per_call / seconds   (items_per_call: per replica)
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ from device_server.emulator.tiles import cycles as cyc
 from device_server.emulator.tiles.mapping import TileMapping
 from device_server.emulator.tiles.memory import CATEGORIES, MemoryProfile, profile_memory
 from device_server.emulator.tiles.planner import LiveFn, ModulePlan, Step, plan_module
+from device_server.emulator.tiles.replication import (
+    GCL_STEP_OVERHEAD_S,
+    host_link_load,
+    replication,
+)
 from device_server.protocol import ir_pb2
 
 __all__ = ["ASSUMPTIONS", "Estimate", "estimate_module", "estimate_plan"]
@@ -50,6 +63,23 @@ ASSUMPTIONS = (
     "updated variables are written in place; host transfers (arguments in, non-variable results "
     "out) are not overlapped with compute",
     "tensors are laid out linearly with at least min_bytes_per_tile per tile",
+)
+
+# Added to the assumptions of a replicated program's estimate.
+REPLICA_ASSUMPTIONS = (
+    "replicas: the program is one replica's; memory and time are per IPU, every replica "
+    "running the same program at once",
+    "all-reduce: one unidirectional ring over the replicas' IPUs in ascending id order, "
+    "2 (R - 1) steps of B / R bytes at the slowest ring arrow's bandwidth (a path of several "
+    "hops at its slowest hop's, shared evenly by the arrows crossing it the same way), each "
+    "step paying its path's hop latencies, the external sync and "
+    f"{GCL_STEP_OVERHEAD_S * 1e6:g} us of GCL step overhead (assumption); its additions are hidden "
+    "under the transfers",
+    "replica sync: one external sync per call and per trip of a loop of the entry computation "
+    "(the device loop): on-chip sync plus the round trip of the longest hop path between replicas",
+    "host links: replicas sharing a host link share its bandwidth; a call waits for the most "
+    "loaded one",
+    "all-reduces, replica syncs and host transfers are serial with compute (nothing overlaps them)",
 )
 
 _log = logging.getLogger(__name__)
@@ -99,6 +129,19 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     sweep: list[dict[str, Any]] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)
+    # Replication (docs/tile_model.md, "Replicas and collectives"): the figures above are
+    # those of one replica = one IPU; these say how many run and what joins them.
+    replicas: int = 1
+    system: str = ""                     # the system's name ("" without one)
+    ipu_ids: list[int] = field(default_factory=list)   # the replicas' IPUs, one each
+    all_reduce_cycles: int = 0           # every all-reduce of the call, over the IPU-Links
+    all_reduce_bytes: int = 0            # bytes each replica puts into them per call
+    all_reduces: int = 0                 # all-reduces executed per call (loops counted)
+    replica_sync_cycles: int = 0         # syncs across the replicas' IPUs
+    replica_syncs: int = 0               # syncs per call (1 + device-loop trips)
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # each all-reduce
+    ring: dict[str, Any] = field(default_factory=dict)       # Ring.to_dict()
+    host_link: dict[str, Any] = field(default_factory=dict)  # the most loaded host link
 
     # -- derived figures ------------------------------------------------------------------
     @property
@@ -108,11 +151,19 @@ class Estimate:
 
     @property
     def throughput(self) -> float:
-        """Items per second (``items_per_call / seconds``); calls per second when the number
-        of items per call is unknown."""
+        """Items per second of all replicas (``replicas x items_per_call / seconds``, items
+        per call counted per replica); calls per second when the number of items per call
+        is unknown (a call runs every replica once)."""
         if self.seconds <= 0:
             return 0.0
-        return (self.items_per_call or 1) / self.seconds
+        if not self.items_per_call:
+            return 1.0 / self.seconds
+        return max(1, self.replicas) * self.items_per_call / self.seconds
+
+    @property
+    def all_reduce_share(self) -> float:
+        """The all-reduces' share of the call's cycles (0..1)."""
+        return self.all_reduce_cycles / self.cycles if self.cycles > 0 else 0.0
 
     @property
     def device_seconds(self) -> float:
@@ -133,6 +184,7 @@ class Estimate:
         d["latency_s"] = self.latency_s
         d["throughput"] = self.throughput
         d["device_seconds"] = self.device_seconds
+        d["all_reduce_share"] = self.all_reduce_share
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -188,10 +240,18 @@ class Estimate:
         return render_html(self.to_dict())
 
     def summary(self) -> str:
-        """One line: time, throughput, memory."""
+        """One line: time, throughput, memory (and the replicas with their all-reduces)."""
         items = f", {self.throughput:,.1f} items/s" if self.items_per_call else ""
-        return (f"{self.program or 'program'} on {self.target}: {self.cycles:,} cycles = "
-                f"{self.seconds * 1e3:.3f} ms{items}; peak tile {self.peak_tile} "
+        replicas = ""
+        if self.replicas > 1:
+            replicas = (f" x {self.replicas} replicas on {self.system} IPUs "
+                        f"{','.join(map(str, self.ipu_ids))} (per IPU below)")
+            if self.all_reduces:
+                replicas += (f"; all-reduce {self.all_reduce_bytes:,} B per replica, "
+                             f"{self.all_reduce_cycles / self.clock_hz * 1e3:.3f} ms = "
+                             f"{self.all_reduce_share:.1%} of the call")
+        return (f"{self.program or 'program'} on {self.target}{replicas}: {self.cycles:,} "
+                f"cycles = {self.seconds * 1e3:.3f} ms{items}; peak tile {self.peak_tile} "
                 f"{self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
                 f"{'' if self.fits else ' (DOES NOT FIT)'}")
 
@@ -219,7 +279,7 @@ class Estimate:
         return " ".join(lines)
 
 
-_DERIVED = ("latency_s", "throughput", "device_seconds")  # to_dict's computed figures
+_DERIVED = ("latency_s", "throughput", "device_seconds", "all_reduce_share")  # to_dict's computed figures
 
 
 def _field_kinds() -> dict[str, type]:
@@ -243,7 +303,7 @@ def _walk(steps: Iterable[Step], mult: int, out: list[dict[str, Any]],
           agg: dict[str, dict[str, Any]], depth: int = 0) -> None:
     for s in steps:
         reps = s.repeat * mult
-        own = s.compute + s.exchange + s.sync
+        own = s.compute + s.exchange + s.sync + s.link
         if s.kind in ("loop", "call"):
             if s.kind == "loop":
                 out.append({"kind": "loop", "name": s.name, "layer": s.layer, "trips": s.repeat,
@@ -255,17 +315,19 @@ def _walk(steps: Iterable[Step], mult: int, out: list[dict[str, Any]],
         members = s.ew.members if s.ew is not None else 1
         out.append({"kind": s.kind, "name": s.name, "opcode": s.opcode, "layer": s.layer,
                     "compute": round(s.compute, 1), "exchange": round(s.exchange, 1),
-                    "sync": round(s.sync, 1), "repeat": reps, "tiles": s.tiles, "depth": depth,
-                    "fused": members})
+                    "sync": round(s.sync, 1), "link": round(s.link, 1), "repeat": reps,
+                    "tiles": s.tiles, "depth": depth, "fused": members})
         a = agg.get(s.name)
         if a is None:
             a = agg[s.name] = {"name": s.name, "opcode": s.opcode, "layer": s.layer, "kind": s.kind,
                                "cycles": 0.0, "compute": 0.0, "exchange": 0.0, "sync": 0.0,
-                               "supersteps": 0, "flops": 0.0, "tiles": s.tiles, "fused": members}
+                               "link": 0.0, "supersteps": 0, "flops": 0.0, "tiles": s.tiles,
+                               "fused": members}
         a["cycles"] += own * reps
         a["compute"] += s.compute * reps
         a["exchange"] += s.exchange * reps
         a["sync"] += s.sync * reps
+        a["link"] += s.link * reps
         a["supersteps"] += reps
         a["flops"] += s.flops * reps
 
@@ -284,8 +346,8 @@ def _cap_timeline(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return
         first = run[0]
         merged = {**first, "repeat": 1, "fused": sum(e.get("fused", 1) for e in run)}
-        for k in ("compute", "exchange", "sync"):
-            merged[k] = round(sum(e[k] * e.get("repeat", 1) for e in run), 1)
+        for k in ("compute", "exchange", "sync", "link"):
+            merged[k] = round(sum(e.get(k, 0.0) * e.get("repeat", 1) for e in run), 1)
         if len(run) > 1:
             merged["name"] = f"{first['name']} (+{len(run) - 1} more)"
             merged["kind"] = "merged"
@@ -310,15 +372,26 @@ def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
     mem: MemoryProfile = profile_memory(plan)
     compute, exchange, sync, _ = plan.entry.totals()
     device = int(math.ceil(compute + exchange + sync))
-    host_s = cyc.host_seconds(t, plan.host_bytes_in, plan.host_bytes_out)
+    rep = plan.replication
+    if rep is None:
+        host_s = cyc.host_seconds(t, plan.host_bytes_in, plan.host_bytes_out)
+        host_link: dict[str, Any] = {}
+    else:
+        load = host_link_load(rep, plan.host_bytes_in, plan.host_bytes_out)
+        host_s, host_link = load.seconds, load.to_dict()
     host_cycles = int(math.ceil(host_s * t.clock_hz))
-    total_cycles = device + host_cycles
+    links = plan.entry.link_totals()
+    ar_cycles, ar_bytes, ar_count = links.get("all-reduce", [0.0, 0.0, 0.0])
+    sync_cycles, _, syncs = links.get("replica-sync", [0.0, 0.0, 0.0])
+    all_reduce_cycles = int(math.ceil(ar_cycles))
+    replica_sync_cycles = int(math.ceil(sync_cycles))
+    total_cycles = device + all_reduce_cycles + replica_sync_cycles + host_cycles
     timeline: list[dict[str, Any]] = []
     agg: dict[str, dict[str, Any]] = {}
     _walk(plan.entry.steps, 1, timeline, agg)
     top = sorted(agg.values(), key=lambda a: -a["cycles"])
     for a in top:
-        for k in ("cycles", "compute", "exchange", "sync"):
+        for k in ("cycles", "compute", "exchange", "sync", "link"):
             a[k] = round(a[k], 1)
     layers: dict[str, dict[str, Any]] = {}
     for a in top:
@@ -332,6 +405,10 @@ def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
     for lp in plan.loops:
         if lp["note"]:
             assumptions.append(lp["note"])
+    if rep is not None and rep.replicated:
+        assumptions.extend(REPLICA_ASSUMPTIONS)
+    collectives = [{**c, "executions": int(agg[c["name"]]["supersteps"]) if c["name"] in agg else 0}
+                   for c in plan.collectives]
     peak_not_always = mem.peak_not_always_live_bytes
     contributors = [c.to_dict() for c in mem.contributors]
     return Estimate(
@@ -373,21 +450,45 @@ def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
         timeline=_cap_timeline(timeline),
         loops=plan.loops,
         notes=plan.notes,
+        replicas=rep.replicas if rep is not None else 1,
+        system=rep.system.name if rep is not None and rep.system is not None else "",
+        ipu_ids=list(rep.ipu_ids) if rep is not None else [],
+        all_reduce_cycles=all_reduce_cycles,
+        all_reduce_bytes=int(round(ar_bytes)),
+        all_reduces=int(round(ar_count)),
+        replica_sync_cycles=replica_sync_cycles,
+        replica_syncs=int(round(syncs)),
+        collectives=collectives,
+        ring=rep.ring.to_dict() if rep is not None and rep.ring is not None else {},
+        host_link=host_link,
     )
 
 
 def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, *,
                     param_kinds: dict[int, str] | None = None,
-                    mappings: dict[str, TileMapping] | None = None) -> Estimate:
+                    mappings: dict[str, TileMapping] | None = None,
+                    replicas: int = 1, system: Any = None, ipu_ids: Iterable[int] = (),
+                    implied_all_reduce_bytes: int = 0) -> Estimate:
     """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
     arguments).
+
+    ``replicas`` copies of the program run at once on ``ipu_ids`` (default: the first
+    ``replicas``) of ``system`` (a ``protocol.hardware.System``; None: ``plain_system`` IPUs
+    of the target's version), as ``CompileOptions`` says; see ``replication.py``.
 
     A failure of the model itself (a bug, an IR shape it does not know) must not stop the
     program from compiling and running: it is logged, and the estimate then says so in its
     ``notes`` and has no figures (``fits`` is True, as nothing was counted).
+
+    Raises:
+        ValueError: a replication the system cannot run (more replicas than IPUs, ``ipu_ids``
+            not one IPU per replica, IPUs of another version), naming the numbers.
     """
+    rep = replication(replicas, system, tuple(ipu_ids or ()), target)
     try:
-        plan = plan_module(module, target, live, param_kinds=param_kinds, mappings=mappings)
+        plan = plan_module(module, target, live, param_kinds=param_kinds, mappings=mappings,
+                           replication=rep if rep.system is not None else None,
+                           implied_all_reduce_bytes=implied_all_reduce_bytes)
         return estimate_plan(plan, module.name)
     except Exception as e:  # noqa: BLE001 - reported, never fatal
         _log.warning("tile model failed on module %r: %s: %s", module.name, type(e).__name__, e,
@@ -397,7 +498,8 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
             clock_hz=target.clock_hz, cycles=0, seconds=0.0, peak_tile_bytes=0,
             tile_bytes_limit=target.sram_bytes_per_tile, total_bytes=0, fits=True,
             target=f"{target.product} ({target.name})", program=module.name,
-            preset=target.to_dict(),
+            preset=target.to_dict(), replicas=rep.replicas,
+            system=rep.system.name if rep.system is not None else "", ipu_ids=list(rep.ipu_ids),
             notes=[f"the tile model failed on this program ({type(e).__name__}: {e}); "
                    "no figures were estimated"],
         )

@@ -21,5 +21,7 @@ from tf_ipu.graphcore.keras_ipu.optimizers import (
     ALSOptimizer,
     ALSOptimizerGradientAccumulationWrapper,
 )
+from tf_ipu.replication import ReplicatedMetricReductionMethod
 
-__all__ = ["ALSOptimizer", "ALSOptimizerGradientAccumulationWrapper", "layers", "optimizers"]
+__all__ = ["ALSOptimizer", "ALSOptimizerGradientAccumulationWrapper",
+           "ReplicatedMetricReductionMethod", "layers", "optimizers"]

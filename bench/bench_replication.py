@@ -1,0 +1,141 @@
+"""Replication: the emulator's wall time for a replicated training step over one IPU's, and
+the estimated throughput of ResNet-50 training on 1, 4 and 16 Bow IPUs.
+
+    (a) BERT-Base with 4 layers (hidden 768, 12 heads), sequence length 128, FP32, SGD,
+    effective batch 64 per weight update:
+      one IPU:     micro-batch 4 x gradient accumulation 16          (16 micro-steps a call)
+      2 replicas:  micro-batch 4 x gradient accumulation 8 x 2       (8 micro-steps each)
+    target: 2 replicas <= 1.3x one IPU (emulating several IPUs costs their arithmetic, not
+    more); the arithmetic of both is the same.
+
+Each side runs ``fit`` for 2 epochs of one device call each (one weight update), under
+IPUStrategy on the embedded device server; the first epoch (tracing, lowering, compiling,
+the emulator's first run) is not timed. The time compared is the server's own Execute time
+of the second call (``ExecuteReply.device_seconds``), so the host's side does not count.
+The vocabulary is cut to 8,192 tokens (BERT's is 30,522): with the whole table, its gradient
+accumulator and its gradient, the FP32 step does not fit in one IPU's tiles (the compile says
+so, naming the tile), on one IPU or on each of two.
+
+    (b) ResNet-50 (keras.applications, weights=None) training, mixed_float16, SGD, batch 4 per
+    replica (batch 8 does not fit in a Bow IPU's tiles), on a Bow Pod16 (``bow-pod16``):
+    ``tf_ipu.estimate(..., replicas=R, system="bow-pod16")`` for R = 1, 4, 16: images per
+    second, the all-reduce of the gradients' share of the step, memory per IPU.
+
+    .venv/bin/python bench/run.py --only replication [--quick]
+
+``--quick``: 2 layers, sequence length 64 (a smoke run; the target is for the full size).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+EFFECTIVE_BATCH = 64
+MICRO_BATCH = 4
+VOCAB = 8192  # see the module docstring
+
+
+def _side(replicas: int, accumulation: int, layers: int, seq_len: int,
+          data: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+    import keras
+
+    import tf_ipu
+    from tf_ipu import runtime
+    from tf_ipu.models.bert import bert_classifier, bert_encoder
+
+    cfg = tf_ipu.IPUConfig()
+    cfg.auto_select_ipus = replicas
+    cfg.configure_ipu_system()
+    keras.utils.set_random_seed(0)
+    strategy = tf_ipu.IPUStrategy()
+    with strategy.scope():
+        model = bert_classifier(bert_encoder(layers=layers, hidden=768, heads=12,
+                                             seq_len=seq_len, vocab=VOCAB), classes=2)
+        model.compile(optimizer=keras.optimizers.SGD(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=accumulation)
+        model.set_gradient_accumulation_options(
+            gradient_accumulation_steps_per_replica=accumulation,
+            gradient_accumulation_reduction_method="mean")
+    rt = runtime.get_runtime()
+    x, y = data
+    t0 = time.perf_counter()
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
+    warm = time.perf_counter() - t0
+    before = rt.call_stats()
+    t0 = time.perf_counter()
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
+    wall = time.perf_counter() - t0
+    after = rt.call_stats()
+    calls = after["calls"] - before["calls"]
+    return {"replicas": replicas, "accumulation": accumulation, "calls": int(calls),
+            "device_seconds": (after["device_seconds"] - before["device_seconds"]) / calls,
+            "client_seconds": (after["client_seconds"] - before["client_seconds"]) / calls,
+            "epoch_seconds": wall, "first_epoch_seconds": warm,
+            "updates": int(model.optimizer.iterations.numpy())}
+
+
+def main(quick: bool = False) -> list[dict[str, Any]]:
+    layers, seq_len = (2, 64) if quick else (4, 128)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, (EFFECTIVE_BATCH, seq_len)).astype(np.int32)
+    y = rng.integers(0, 2, EFFECTIVE_BATCH).astype(np.int32)
+    print(f"(a) BERT-Base, {layers} layers, hidden 768, sequence {seq_len}, vocabulary {VOCAB}, FP32, "
+          f"micro-batch {MICRO_BATCH}, effective batch {EFFECTIVE_BATCH} per weight update "
+          f"(one device call); server Execute seconds of the second call")
+    one = _side(1, EFFECTIVE_BATCH // MICRO_BATCH, layers, seq_len, (x, y))
+    print(f"  one IPU:    accumulation {one['accumulation']:2d}: "
+          f"{one['device_seconds']:.2f} s per call (client {one['client_seconds']:.2f} s; "
+          f"first epoch {one['first_epoch_seconds']:.1f} s)")
+    two = _side(2, EFFECTIVE_BATCH // MICRO_BATCH // 2, layers, seq_len, (x, y))
+    print(f"  2 replicas: accumulation {two['accumulation']:2d}: "
+          f"{two['device_seconds']:.2f} s per call (client {two['client_seconds']:.2f} s; "
+          f"first epoch {two['first_epoch_seconds']:.1f} s)")
+    ratio = two["device_seconds"] / one["device_seconds"]
+    print(f"  2 replicas / one IPU at effective batch {EFFECTIVE_BATCH}: {ratio:.2f}x "
+          f"(target <= 1.3x){'' if not quick else ' [quick: smaller model]'}")
+    assert one["updates"] == two["updates"] == 2, (one["updates"], two["updates"])
+    rows = [{"part": "bert", **one}, {"part": "bert", **two}, {"part": "bert", "ratio": ratio}]
+    return rows + _resnet50_on_bow()
+
+
+def _resnet50_on_bow() -> list[dict[str, Any]]:
+    import keras
+
+    from tf_ipu.estimate import build_model, estimate
+
+    policy = keras.mixed_precision.global_policy()
+    model = build_model("resnet50", "fp16")
+    try:
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+        print("(b) ResNet-50 training, mixed_float16, SGD, batch 4 per replica, Bow Pod16 "
+              "(tf_ipu.estimate, the tile model)")
+        rows = []
+        single = None
+        for replicas in (1, 4, 16):
+            est = estimate(model, 4, training=True, ipu_version="bow", replicas=replicas,
+                           system="bow-pod16")
+            single = single or est.throughput
+            rows.append({"part": "resnet50", "replicas": replicas, "images_per_s": est.throughput,
+                         "seconds": est.seconds, "all_reduce_share": est.all_reduce_share,
+                         "peak_tile_bytes": est.peak_tile_bytes, "fits": est.fits})
+            print(f"  {replicas:2d} Bow IPU{'s' if replicas > 1 else ' '}: "
+                  f"{est.throughput:9,.0f} images/s ({est.throughput / single:5.2f}x one IPU), "
+                  f"{est.seconds * 1e3:6.2f} ms a step, all-reduce {est.all_reduce_share:5.1%} "
+                  f"of it; peak tile {est.peak_tile_bytes:,} B per IPU"
+                  f"{'' if est.fits else ' (DOES NOT FIT)'}")
+        return rows
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)

@@ -1,0 +1,242 @@
+"""Replicated programs in the tile model: the ring all-reduce, the replicas' sync, shared host links.
+
+A replicated program is the program of one replica; ``replicas`` copies of it run at once,
+one per IPU of a system (``protocol.hardware.System``), and meet at ``tf_ipu_all_reduce``.
+
+    ring: the faster of two orders of the replicas' IPUs, ascending ids or the ladder's
+    (even ids up, odd ids down):  IPU 0 ──> IPU 2 ──> IPU 3 ──> IPU 1 ──┐
+                                    ^                                  │
+                                    └──────────────────────────────────┘
+    each arrow: system.path(a, b), one or more IPU-Link hops; links are full duplex
+    all-reduce of B bytes per replica = reduce-scatter + all-gather, 2 (R - 1) steps:
+      seconds = 2 (R - 1) / R x B / ring_bytes_per_s  +  2 (R - 1) x step_latency_s
+      ring_bytes_per_s = min over arrows of (min over its hops of link bytes/s each way
+                         / the arrows crossing that hop in the same direction)
+      step_latency_s   = max over arrows of (sum of its hops' latencies) + step_sync_s
+      step_sync_s      = external sync (below) + GCL_STEP_OVERHEAD_S (assumption)
+    external sync (each call, each trip of a device loop) = target sync_cycles
+                         + 2 x the hop latency of the longest path between the replicas' IPUs
+    host transfers: a host link shared by n replicas carries n x the bytes (latency once per
+    direction); a call waits for its most loaded host link
+
+Every figure is named here, or comes from the system (``hardware.py``) and the target
+(``arch.py``); docs/tile_model.md ("Replicas and collectives") gives the sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from device_server.emulator.arch import Target
+from device_server.emulator.tiles import cycles as cyc
+from device_server.protocol import hardware
+
+__all__ = ["GCL_STEP_OVERHEAD_S", "HostLinkLoad", "Replication", "Ring", "RingArrow",
+           "all_reduce_seconds", "host_link_load", "replication"]
+
+#: Fixed cost of one step of a ring collective beyond the links' own latency and the
+#: external sync: GCL's "syncful" collectives sync every step and set up the IO tiles'
+#: exchange for it. Assumption (no published figure found): 1 us.
+GCL_STEP_OVERHEAD_S = 1e-6
+
+
+@dataclass(frozen=True)
+class RingArrow:
+    """One arrow of the ring: ``src`` sends its chunk to ``dst`` over ``path``."""
+
+    src: int
+    dst: int
+    path: tuple[int, ...]       # IPUs from src to dst (system.path)
+    bytes_per_s: float          # each way, after sharing its hops with the other arrows
+    latency_s: float            # sum of its hops' latencies
+    shared: int                 # most arrows crossing one of its hops in the same direction
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The ring of a replicated program's IPUs (ascending ids) and its figures."""
+
+    ipus: tuple[int, ...]
+    arrows: tuple[RingArrow, ...]
+    bytes_per_s: float          # the slowest arrow's
+    step_latency_s: float       # the slowest arrow's latency + step_sync_s
+    step_sync_s: float          # external sync + GCL_STEP_OVERHEAD_S
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the report."""
+        return {
+            "ipus": list(self.ipus), "bytes_per_s": self.bytes_per_s,
+            "step_latency_s": self.step_latency_s, "step_sync_s": self.step_sync_s,
+            "arrows": [{"from": a.src, "to": a.dst, "path": list(a.path), "hops": len(a.path) - 1,
+                        "bytes_per_s": a.bytes_per_s, "latency_s": a.latency_s, "shared": a.shared}
+                       for a in self.arrows],
+        }
+
+
+@dataclass(frozen=True)
+class HostLinkLoad:
+    """The most loaded host link of a call: its replicas and the seconds of its transfers."""
+
+    kind: str
+    ipus: tuple[int, ...]
+    replicas: int               # replicas whose IPU uses it
+    bytes_per_s: float
+    latency_s: float
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the report."""
+        return {"kind": self.kind, "ipus": list(self.ipus), "replicas": self.replicas,
+                "bytes_per_s": self.bytes_per_s, "latency_s": self.latency_s,
+                "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class Replication:
+    """How a program is replicated: ``replicas`` copies on ``ipu_ids`` of ``system``, with the
+    ring and the external sync they imply (made by :func:`replication`, which checks them).
+
+    ``system`` is None only for one replica without a system (the target's own host-link
+    figures then apply, as for any single-IPU program); ``ring`` is None for one replica.
+    """
+
+    replicas: int
+    system: hardware.System | None
+    ipu_ids: tuple[int, ...]
+    target: Target
+    ring: Ring | None = None
+    external_sync_s: float = 0.0   # one sync across the replicas' IPUs (module docstring)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether several replicas run (collectives and syncs cost something)."""
+        return self.replicas > 1
+
+    def describe(self) -> str:
+        """One line: replicas, system, IPUs."""
+        if self.system is None:
+            return "1 replica"
+        many = self.replicas != 1
+        return (f"{self.replicas} replica{'s' if many else ''} on {self.system.name} "
+                f"IPU{'s' if many else ''} {', '.join(map(str, self.ipu_ids))}")
+
+
+def _path_latency(system: hardware.System, path: list[int] | tuple[int, ...]) -> float:
+    return sum(system.link(u, v).latency_s for u, v in zip(path, path[1:], strict=False))
+
+
+def _external_sync(system: hardware.System, ipus: tuple[int, ...], target: Target) -> float:
+    """One sync across ``ipus``: the on-chip sync (``sync_cycles``) plus a round trip over the
+    longest hop path between two of them (the IPU Model's global sync: its hops' latency
+    there and back)."""
+    longest = max((_path_latency(system, system.path(a, b))
+                   for n, a in enumerate(ipus) for b in ipus[n + 1:]), default=0.0)
+    return target.sync_cycles / target.clock_hz + 2.0 * longest
+
+
+def _ring(system: hardware.System, ipus: tuple[int, ...], step_sync_s: float) -> Ring:
+    """The best of two rings over ``ipus`` (the faster all-reduce of 1 MiB): in ascending
+    order, and the ladder's ring (even ids up, odd ids down: 0 2 4 ... 5 3 1, each arrow a
+    single IPU-Link on the ladders of hardware.py, as GCL's rings on a ladder run)."""
+    ascending = tuple(sorted(ipus))
+    ladder = (tuple(i for i in ascending if i % 2 == 0)
+              + tuple(i for i in reversed(ascending) if i % 2 == 1))
+    rings = [_ring_in_order(system, order, step_sync_s) for order in dict.fromkeys((ascending, ladder))]
+    return min(rings, key=lambda r: all_reduce_seconds(r, len(ipus), float(1 << 20)))
+
+
+def _ring_in_order(system: hardware.System, order: tuple[int, ...], step_sync_s: float) -> Ring:
+    """The ring over ``order`` (see module docstring)."""
+    pairs = [(order[n], order[(n + 1) % len(order)]) for n in range(len(order))]
+    paths = [tuple(system.path(a, b)) for a, b in pairs]
+    load: dict[tuple[int, int], int] = {}   # arrows crossing each hop, per direction
+    for p in paths:
+        for hop in zip(p, p[1:], strict=False):
+            load[hop] = load.get(hop, 0) + 1
+    arrows = []
+    for (a, b), p in zip(pairs, paths, strict=True):
+        hops = list(zip(p, p[1:], strict=False))
+        bw = min(system.link(u, v).bytes_per_s / load[(u, v)] for u, v in hops)
+        arrows.append(RingArrow(a, b, p, bw, _path_latency(system, p),
+                                max(load[hop] for hop in hops)))
+    return Ring(order, tuple(arrows), min(a.bytes_per_s for a in arrows),
+                max(a.latency_s for a in arrows) + step_sync_s, step_sync_s)
+
+
+def replication(replicas: int, system: hardware.System | str | None,
+                ipu_ids: tuple[int, ...] | list[int], target: Target) -> Replication:
+    """The checked replication of a program compiled for ``target`` (``system``: a System or
+    the name of one).
+
+    Without a system, several replicas run on ``plain_system`` IPUs of the target's version
+    (linked as its machines are, as ``--ipus N`` makes them); one replica keeps the target's
+    own host-link figures. Empty ``ipu_ids``: the system's first ``replicas`` IPUs.
+
+    Raises:
+        ValueError: naming the numbers, for fewer than 1 replica, more replicas than the
+            system has IPUs, ``ipu_ids`` not one distinct IPU of the system per replica, or a
+            system of another IPU version than the target.
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1. Received: replicas={replicas!r}")
+    ids = tuple(int(i) for i in ipu_ids or ())
+    if isinstance(system, str):
+        system = hardware.get_system(system) if system else None
+    if system is None:
+        if replicas == 1 and not ids:
+            return Replication(1, None, (), target)
+        system = hardware.plain_system(max(replicas, max(ids, default=-1) + 1), target.name)
+    if system.ipu_version != target.name:
+        raise ValueError(
+            f"system {system.name!r} has {system.product} IPUs ({system.ipu_version}); the program "
+            f"is compiled for {target.product} ({target.name}).")
+    if replicas > system.num_ipus:
+        raise ValueError(
+            f"{replicas} replicas need {replicas} IPUs (one per replica), but system "
+            f"{system.name!r} has {system.num_ipus} IPU{'s' if system.num_ipus != 1 else ''}.")
+    if ids:
+        if len(ids) != replicas:
+            raise ValueError(f"ipu_ids must name one IPU per replica: {len(ids)} IPU ids "
+                             f"{list(ids)} for {replicas} replicas.")
+        bad = [i for i in ids if not 0 <= i < system.num_ipus]
+        if bad:
+            raise ValueError(f"ipu_ids {bad} are not IPUs of system {system.name!r} "
+                             f"(0 .. {system.num_ipus - 1}).")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ipu_ids must be distinct (one replica per IPU). Received: {list(ids)}")
+    else:
+        ids = tuple(range(replicas))
+    if replicas == 1:
+        return Replication(1, system, ids, target)
+    sync = _external_sync(system, ids, target)   # ValueError: two IPUs no IPU-Links join
+    return Replication(replicas, system, ids, target, _ring(system, ids, sync + GCL_STEP_OVERHEAD_S),
+                       sync)
+
+
+def all_reduce_seconds(ring: Ring, replicas: int, nbytes: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` per replica (see module docstring)."""
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (replicas - 1)
+    return steps / replicas * nbytes / ring.bytes_per_s + steps * ring.step_latency_s
+
+
+def host_link_load(rep: Replication, bytes_in: int, bytes_out: int) -> HostLinkLoad:
+    """The host link whose transfers take longest in one call, each replica streaming
+    ``bytes_in`` to its IPU and ``bytes_out`` back; without a system, the target's figures."""
+    t = rep.target
+    if rep.system is None:
+        return HostLinkLoad("the target's host link", (), 1, t.host_link_bytes_per_s,
+                            t.host_link_latency_s, cyc.host_seconds(t, bytes_in, bytes_out))
+    best: HostLinkLoad | None = None
+    for h in rep.system.host_links:
+        n = sum(1 for i in rep.ipu_ids if i in h.ipus)
+        if n == 0:
+            continue
+        s = cyc.host_seconds(t, bytes_in, bytes_out, bytes_per_s=h.bytes_per_s,
+                             latency_s=h.latency_s, sharers=n)
+        if best is None or s > best.seconds:
+            best = HostLinkLoad(h.kind, tuple(h.ipus), n, h.bytes_per_s, h.latency_s, s)
+    assert best is not None
+    return best
