@@ -184,6 +184,14 @@ class CompileOptions:
     them (None: the target's IPUs without links), ``ipu_ids``: which of its IPUs, one per
     replica (empty: the first ``replicas``). The estimate charges the collectives over the
     system's IPU-Links and the host transfers over its shared host links.
+
+    Pipelining (docs/tile_model.md): ``pipeline_stages`` S (1: not pipelined), the stage of
+    each instruction in its ``pipeline_stage`` attribute; ``stage_ipus``: the IPU within a
+    replica of each stage (Graphcore's device_mapping; empty: stage i on IPU i);
+    ``ipus_per_replica``: the IPUs a replica spans; ``pipeline_schedule``: "grouped",
+    "interleaved" or "sequential"; ``micro_batches``: the micro-batches of one weight
+    update (gradient accumulation); ``recomputation``: the backward pass recomputes the
+    forward activations. They change the estimate only: the program computes the same.
     """
 
     refuse_opcodes: frozenset[str] = frozenset()
@@ -201,6 +209,12 @@ class CompileOptions:
     replicas: int = 1
     system: Any = None
     ipu_ids: tuple[int, ...] = ()
+    pipeline_stages: int = 1
+    stage_ipus: tuple[int, ...] = ()
+    ipus_per_replica: int = 1
+    pipeline_schedule: str = "grouped"
+    micro_batches: int = 1
+    recomputation: bool = False
 
     def numerics(self, target: Target) -> numerics.Numerics:
         """The numerics these options ask for on ``target``."""
