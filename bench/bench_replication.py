@@ -19,7 +19,11 @@ so, naming the tile), on one IPU or on each of two.
     (b) ResNet-50 (keras.applications, weights=None) training, mixed_float16, SGD, batch 4 per
     replica (batch 8 does not fit in a Bow IPU's tiles), on a Bow Pod16 (``bow-pod16``):
     ``tf_ipu.estimate(..., replicas=R, system="bow-pod16")`` for R = 1, 4, 16: images per
-    second, the all-reduce of the gradients' share of the step, memory per IPU.
+    second, the all-reduce of the gradients' share of the step, memory per IPU; without
+    gradient accumulation (a weight update every step), then with 16 micro-batches of 4 per
+    replica per weight update (``gradient_accumulation_steps_per_replica=16``: the all-reduce
+    and the optimizer's update once per 16 micro-batches); and the time to train on
+    ImageNet-1k (1,281,167 images, 90 epochs) on the 16 IPUs with that configuration.
 
     .venv/bin/python bench/run.py --only replication [--quick]
 
@@ -107,6 +111,11 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
     return rows + _resnet50_on_bow()
 
 
+ACCUMULATION = 16            # part (b): micro-batches per replica per weight update
+IMAGENET_1K = 1_281_167      # ImageNet-1k training images
+EPOCHS = 90
+
+
 def _resnet50_on_bow() -> list[dict[str, Any]]:
     import keras
 
@@ -118,12 +127,16 @@ def _resnet50_on_bow() -> list[dict[str, Any]]:
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
         print("(b) ResNet-50 training, mixed_float16, SGD, batch 4 per replica, Bow Pod16 "
               "(tf_ipu.estimate, the tile model)")
+        # One estimate per replica count: its step is the row without accumulation, the same
+        # step with the weight update once per ACCUMULATION micro-batches the row with it.
+        trains = {r: estimate(model, 4, training=True, ipu_version="bow", replicas=r,
+                              system="bow-pod16", gradient_accumulation_steps_per_replica=ACCUMULATION,
+                              dataset_size=IMAGENET_1K, epochs=EPOCHS) for r in (1, 4, 16)}
         rows = []
-        single = None
-        for replicas in (1, 4, 16):
-            est = estimate(model, 4, training=True, ipu_version="bow", replicas=replicas,
-                           system="bow-pod16")
-            single = single or est.throughput
+        print("  without gradient accumulation (a weight update every step of 4 per replica):")
+        single = trains[1].step.throughput
+        for replicas, train in trains.items():
+            est = train.step
             rows.append({"part": "resnet50", "replicas": replicas, "images_per_s": est.throughput,
                          "seconds": est.seconds, "all_reduce_share": est.all_reduce_share,
                          "peak_tile_bytes": est.peak_tile_bytes, "fits": est.fits})
@@ -132,6 +145,31 @@ def _resnet50_on_bow() -> list[dict[str, Any]]:
                   f"{est.seconds * 1e3:6.2f} ms a step, all-reduce {est.all_reduce_share:5.1%} "
                   f"of it; peak tile {est.peak_tile_bytes:,} B per IPU"
                   f"{'' if est.fits else ' (DOES NOT FIT)'}")
+        print(f"  with gradient accumulation {ACCUMULATION} ({ACCUMULATION} micro-batches of 4 per "
+              f"replica per weight update; all-reduce and optimizer update once per update):")
+        single = trains[1].throughput
+        for replicas, train in trains.items():
+            rows.append({"part": "resnet50", "replicas": replicas, "accumulation": ACCUMULATION,
+                         "effective_batch": train.effective_batch, "images_per_s": train.throughput,
+                         "seconds_per_micro_batch": train.seconds,
+                         "seconds_per_update": train.seconds_per_update,
+                         "all_reduce_share": train.all_reduce_share,
+                         "update_cycles": train.update_cycles,
+                         "accumulate_cycles": train.accumulate_cycles,
+                         "peak_tile_bytes": train.peak_tile_bytes, "fits": train.fits})
+            print(f"  {replicas:2d} Bow IPU{'s' if replicas > 1 else ' '}: "
+                  f"{train.throughput:9,.0f} images/s ({train.throughput / single:5.2f}x one IPU), "
+                  f"{train.seconds * 1e3:6.2f} ms a micro-batch, {train.seconds_per_update * 1e3:6.1f} "
+                  f"ms an update of {train.effective_batch:,} images, all-reduce "
+                  f"{train.all_reduce_share:5.1%} of it; peak tile {train.peak_tile_bytes:,} B "
+                  f"per IPU with the accumulators{'' if train.fits else ' (DOES NOT FIT)'}")
+        pod = trains[16]
+        print(f"  ImageNet-1k with the estimate's configuration (batch 4, FP32 images streamed "
+              f"in, no pipelining): {pod.time_to_train_summary()}")
+        rows.append({"part": "resnet50", "time_to_train_s": pod.time_to_train_s,
+                     "dataset_size": IMAGENET_1K, "epochs": EPOCHS, "updates": pod.updates(),
+                     "system": "bow-pod16", "replicas": 16, "accumulation": ACCUMULATION,
+                     "effective_batch": pod.effective_batch, "configuration": pod.configuration()})
         return rows
     finally:
         keras.mixed_precision.set_global_policy(policy)

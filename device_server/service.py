@@ -840,13 +840,15 @@ class DeviceService:
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
             allow_oom = request.options.allow_out_of_memory
             numerics = _numerics_options(request.options)
-            replication = self._replication(s, request.options.replicas, module.name)
+            pipeline = _pipeline_options(request.options, module.name)
+            replication = self._replication(s, request.options.replicas, module.name,
+                                            pipeline.get("ipus_per_replica", 1))
             key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom,
-                            {**numerics, **_replication_key(replication)})
+                            {**numerics, **_replication_key(replication), **pipeline})
             target = s.target
             options = CompileOptions(
                 refuse_opcodes=refuse, fault_inject_opcode=fault, allow_out_of_memory=allow_oom,
-                **numerics, **replication,
+                **numerics, **replication, **pipeline,
             )
 
             from_disk: list[bool] = []
@@ -902,26 +904,31 @@ class DeviceService:
                 compile_seconds=lookup.compile_seconds,
             )
 
-    def _replication(self, s: Session, replicas: int, module_name: str) -> dict[str, Any]:
-        """The emulator's replication options for a program of ``replicas`` replicas, one
-        per IPU the session holds (in the server's system, or its plain IPUs); a count the
-        session cannot run is refused, naming both numbers."""
+    def _replication(self, s: Session, replicas: int, module_name: str,
+                     ipus_per_replica: int = 1) -> dict[str, Any]:
+        """The emulator's replication options for a program of ``replicas`` replicas of
+        ``ipus_per_replica`` IPUs each (a pipeline's), on the IPUs the session holds (in the
+        server's system, or its plain IPUs); what the session cannot run is refused, naming
+        the numbers."""
         replicas = max(1, int(replicas))
-        if replicas == 1:
-            return {}
+        needed = replicas * ipus_per_replica
         held = len(s.ipu_ids)
-        if replicas > held:
+        if needed > max(held, 1):
+            per = f" of {ipus_per_replica} IPUs each" if ipus_per_replica > 1 else ", one per IPU"
             raise ServiceError(
                 _INVALID,
-                f"Compile of module {module_name!r}: the program has {replicas} replicas, one "
-                f"per IPU, but session {s.session_id} holds {held} IPU"
-                f"{'s' if held != 1 else ''} ({s.ipu_ids}); attach {replicas} IPUs "
-                f"(IPUConfig.auto_select_ipus = {replicas}) or compile for {held} replicas.",
+                f"Compile of module {module_name!r}: the program has {replicas} replica"
+                f"{'s' if replicas != 1 else ''}{per}, {needed} IPUs, but session "
+                f"{s.session_id} holds {held} IPU{'s' if held != 1 else ''} ({s.ipu_ids}); "
+                f"attach {needed} IPUs (IPUConfig.auto_select_ipus = {needed}).",
                 kind="too-many-replicas",
             )
+        if needed == 1:
+            return {}
         system = self.system or hardware.plain_system(self.pool.num_ipus, s.ipu_version)
+        # Each replica's first IPU (a pipeline's stages are sized on its IPUs from them).
         return {"replicas": replicas, "system": system,
-                "ipu_ids": tuple(s.ipu_ids[:replicas])}
+                "ipu_ids": tuple(s.ipu_ids[:needed:ipus_per_replica])}
 
     def _load_from_disk(self, key: str, module: ir_pb2.Module, target: Any,
                         options: CompileOptions) -> Any:
@@ -1507,6 +1514,34 @@ def _numerics_options(options: device_pb2.CompileOptions) -> dict[str, Any]:
         out[name] = bool(getattr(fp, name))
     out["stochastic_rounding_seed"] = int(options.stochastic_rounding_seed)
     return out
+
+
+def _pipeline_options(options: device_pb2.CompileOptions, module_name: str) -> dict[str, Any]:
+    """The emulator ``CompileOptions`` fields of a pipelined program (empty when it is not
+    pipelined), checked: a stage mapped to an IPU the replica does not span, a schedule of
+    another name, no micro-batches are refused naming the numbers."""
+    stages = int(options.pipeline_stages)
+    if stages <= 1 and not options.stage_ipus:
+        return {}
+    where = f"Compile of module {module_name!r}"
+    stage_ipus = tuple(int(i) for i in options.stage_ipus) or tuple(range(stages))
+    if len(stage_ipus) != stages:
+        raise ServiceError(_INVALID, f"{where}: stage_ipus {list(stage_ipus)} names {len(stage_ipus)} "
+                           f"IPUs for {stages} pipeline stages (one per stage).",
+                           kind="invalid-options")
+    per_replica = int(options.ipus_per_replica) or max(stage_ipus) + 1
+    if max(stage_ipus) >= per_replica or per_replica & (per_replica - 1):
+        raise ServiceError(_INVALID, f"{where}: a replica spans {per_replica} IPUs (a power "
+                           f"of two), so stages can be mapped to IPUs 0 .. {per_replica - 1}; "
+                           f"stage_ipus is {list(stage_ipus)}.", kind="invalid-options")
+    schedule = options.pipeline_schedule or "grouped"
+    if schedule not in ("grouped", "interleaved", "sequential"):
+        raise ServiceError(_INVALID, f"{where}: pipeline_schedule must be 'grouped', "
+                           f"'interleaved' or 'sequential', not {schedule!r}.",
+                           kind="invalid-options")
+    return {"pipeline_stages": stages, "stage_ipus": stage_ipus, "ipus_per_replica": per_replica,
+            "pipeline_schedule": schedule, "micro_batches": max(1, int(options.micro_batches)),
+            "recomputation": bool(options.recomputation)}
 
 
 def _replication_key(replication: dict[str, Any]) -> dict[str, Any]:

@@ -82,15 +82,20 @@ def test_keras_tutorial_calls_run_with_one_added_import(device_server):
 
 
 def test_graphcore_paths_resolve_to_this_project():
+    import tf_ipu  # the one added import, first
+
+    import keras
     import tensorflow.python.ipu.ipu_strategy as gc_strategy
     from tensorflow.python import ipu
-
-    import tf_ipu
 
     assert ipu.config.IPUConfig is tf_ipu.IPUConfig
     assert gc_strategy.IPUStrategy is tf_ipu.IPUStrategy
     assert ipu.ipu_strategy.IPUStrategyV1 is tf_ipu.IPUStrategy
-    assert not hasattr(ipu, "keras")  # Graphcore's Keras 2 models: out of scope, no placeholder
+    # SDK 2's ipu.keras is keras.ipu (its PipelineStage, which Graphcore's tutorials use);
+    # its Keras 2 models are out of scope: no placeholder.
+    assert ipu.keras.PipelineStage is keras.ipu.PipelineStage
+    assert not hasattr(ipu.keras, "Sequential") and not hasattr(ipu.keras, "Model")
+    assert ipu.ops.pipelining_ops.PipelineSchedule.Grouped.name == "Grouped"
     from tensorflow.python.ipu import loops
 
     assert loops.repeat is ipu.loops.repeat
@@ -108,7 +113,8 @@ def test_keras_ipu_is_one_namespace_through_keras_and_tf_keras():
 
     assert keras.ipu.layers.Dense is tf_keras.ipu.layers.Dense is Dense
     assert issubclass(Dense, keras.layers.Dense)
-    assert not hasattr(keras.ipu, "PipelineStage")  # comes with pipelining, no placeholder
+    assert keras.ipu.PipelineStage is tf_keras.ipu.PipelineStage  # pipelining is here
+    assert not hasattr(keras.ipu, "NestedModelPipelineStageAssignment")  # not yet: no placeholder
 
 
 def test_reset_ipu_seed_makes_two_runs_with_dropout_bit_identical(ipu_system):

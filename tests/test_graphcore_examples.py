@@ -61,9 +61,13 @@ Graphcore's single-IPU TF2 examples found, and where they are here (repository/p
 - graphcore/examples code_examples/tensorflow2/adversarial_generalized_method_of_moments/
   tf2_AdGMoM.py: ``example_adgmom``
 
-Skipped: the pipelined or many-IPU ones (keras/ipu/docs example7-9, 11, 12, als_example3,
-exporting_pipelined_*; the tutorials' completed_demo_pipelining.py and
-completed_example/main.py (2 IPUs, pipelined), tensorboard/demo.py,
+- graphcore/keras keras/ipu/docs/example7.py, example8.py (pipelined, 2 IPUs), example9.py
+  (ResNet50's stage assignment): ``example_user_guide_7`` .. ``_9``
+- .../keras/completed_demos/completed_demo_pipelining.py: ``example_keras_demo_pipelining``
+  (2 replicas of a 2-IPU pipeline)
+
+Skipped: keras/ipu/docs example11, 12, als_example3, exporting_pipelined_*;
+completed_example/main.py, tensorboard/demo.py,
 embeddings/imdb.py and imdb_sequential.py, recomputation_checkpoints/recompute_lstm.py,
 popdist/*, ipu_estimator/*_replica.py and *_pipeline_*.py, abc_covid_19/ABC_IPU.py);
 ``tf.compat.v1`` / estimator ones (ipu_estimator/cifar10_ipu_estimator.py,
@@ -287,6 +291,50 @@ def example_keras_demo_faster(run: Run) -> None:
     run.arrays("weights", model.get_weights(), reference.get_weights())
 
 
+def _many_ipu_demo(run: Run, keras, ipu, num_ipus: int, num_replicas: int, model_fn,
+                   plain_model_fn, train, test, train_spe: int, test_spe: int, batch_size: int,
+                   seed: int, before_compile=None) -> None:
+    """The tutorial's many-IPU demos (replicated, pipelined) from the IPU configuration on:
+    ``auto_select_ipus = num_ipus``, the model built in the strategy's scope
+    (``before_compile(model)``: the example's calls before compile), fit for 3 epochs,
+    compiled again for evaluate; the IPU system restored to one IPU after. The model has
+    Dropout and each replica draws its own masks, so training is not compared step for
+    step: evaluate is, against the CPU's evaluation of the trained weights
+    (``plain_model_fn()``: the model without stages) on the last replica's batches (the
+    default metric reduction reports the last replica's)."""
+    ipu_config = ipu.config.IPUConfig()
+    ipu_config.auto_select_ipus = num_ipus
+    ipu_config.configure_ipu_system()
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    keras.utils.set_random_seed(seed)
+    try:
+        with strategy.scope():
+            model = keras.Model(*model_fn())
+            if before_compile is not None:
+                before_compile(model)
+            model.compile("sgd", "categorical_crossentropy", metrics=["accuracy"],
+                          steps_per_execution=train_spe)
+            model.summary()
+            history = model.fit(*train, epochs=3, batch_size=batch_size, verbose=0)
+            model.compile("sgd", "categorical_crossentropy", metrics=["accuracy"],
+                          steps_per_execution=test_spe)
+            evaluated = model.evaluate(*test, batch_size=batch_size, verbose=0)
+    finally:
+        ipu_config.auto_select_ipus = 1
+        ipu_config.configure_ipu_system()
+    losses = history.history["loss"]
+    run.true("History: 3 finite epoch losses", len(losses) == 3 and all(np.isfinite(losses)),
+             losses)
+    reference = keras.Model(*plain_model_fn())
+    reference.set_weights(model.get_weights())
+    reference.compile("sgd", "categorical_crossentropy", metrics=["accuracy"])
+    x_test, y_test = test
+    last = np.arange(x_test.shape[0]).reshape(-1, batch_size)[num_replicas - 1::num_replicas]
+    cpu_eval = reference.evaluate(x_test[last.ravel()], y_test[last.ravel()],
+                                  batch_size=batch_size, verbose=0)
+    run.losses("evaluate (loss, accuracy) of the last replica", evaluated, cpu_eval)
+
+
 def example_keras_demo_replicated(run: Run) -> None:
     """graphcore/tutorials tutorials/tensorflow2/keras/completed_demos/completed_demo_replicated.py:
     the convnet on 2 replicas (``auto_select_ipus = num_replicas = 2``), steps_per_execution
@@ -315,34 +363,9 @@ def example_keras_demo_replicated(run: Run) -> None:
     test_data_len = make_divisible(x_test.shape[0], test_steps_per_execution * batch_size)
     x_test, y_test = x_test[:test_data_len], y_test[:test_data_len]
 
-    ipu_config = ipu.config.IPUConfig()
-    ipu_config.auto_select_ipus = num_ipus
-    ipu_config.configure_ipu_system()
-    strategy = ipu.ipu_strategy.IPUStrategy()
-    keras.utils.set_random_seed(3)
-    try:
-        with strategy.scope():
-            model = keras.Model(*_keras_demo_model(keras))
-            model.compile("sgd", "categorical_crossentropy", metrics=["accuracy"],
-                          steps_per_execution=train_steps_per_execution)
-            model.summary()
-            history = model.fit(x_train, y_train, epochs=3, batch_size=batch_size, verbose=0)
-            model.compile("sgd", "categorical_crossentropy", metrics=["accuracy"],
-                          steps_per_execution=test_steps_per_execution)
-            evaluated = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
-    finally:
-        ipu_config.auto_select_ipus = 1
-        ipu_config.configure_ipu_system()
-    losses = history.history["loss"]
-    run.true("History: 3 finite epoch losses", len(losses) == 3 and all(np.isfinite(losses)),
-             losses)
-    reference = keras.Model(*_keras_demo_model(keras))
-    reference.set_weights(model.get_weights())
-    reference.compile("sgd", "categorical_crossentropy", metrics=["accuracy"])
-    last = np.arange(x_test.shape[0]).reshape(-1, batch_size)[num_replicas - 1::num_replicas]
-    cpu_eval = reference.evaluate(x_test[last.ravel()], y_test[last.ravel()],
-                                  batch_size=batch_size, verbose=0)
-    run.losses("evaluate (loss, accuracy) of the last replica", evaluated, cpu_eval)
+    _many_ipu_demo(run, keras, ipu, num_ipus, num_replicas, lambda: _keras_demo_model(keras),
+                   lambda: _keras_demo_model(keras), (x_train, y_train), (x_test, y_test),
+                   train_steps_per_execution, test_steps_per_execution, batch_size, seed=3)
 
 
 def example_mnist(run: Run) -> None:
@@ -912,6 +935,197 @@ def example_user_guide_10(run: Run) -> None:
     _user_guide(run, lambda: _user_guide_sequential(keras), lambda: _user_guide_dataset(tf),
                 {"epochs": 2, "steps_per_epoch": 8},
                 lambda dataset: {"steps_per_execution": 4}, before_fit=options)
+
+
+def _pipelined_user_guide(run: Run, create_model, options, seed: int = 9) -> None:
+    """keras/ipu/docs' pipelined examples: ``create_model(stages)`` builds the model (with its
+    PipelineStage scopes when ``stages``), ``options(model, ipu)`` makes the example's
+    pipelining calls, fit as the example does (smaller: steps_per_execution 16 instead of
+    256, 16 steps per epoch instead of 128: one weight update of 16 accumulated micro-batches
+    per epoch; RMSprop's first updates are nearly sign(gradient), so over more updates the
+    gradient components near zero that round differently on the two sides drift apart)
+    on 2 IPUs. Graphcore's models end in Dense(1) on
+    (28, 28) inputs with a sparse cross-entropy over 10 classes, which Keras 3 refuses (the
+    output's rank): here a Flatten first and Dense(10) last. The CPU reference is the same model
+    without stages, with the same gradient accumulation (Keras's, through
+    ``set_gradient_accumulation_options``, which a pipeline's options imply)."""
+    import keras
+    import tensorflow as tf
+    from tensorflow.python import ipu
+
+    def train(on_ipu: bool):
+        model = create_model(on_ipu)
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(), optimizer="rmsprop",
+                      metrics=["accuracy"], steps_per_execution=16)
+        if on_ipu:
+            options(model, ipu)
+        else:
+            model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=16)
+        history = model.fit(_user_guide_dataset(tf), epochs=2, steps_per_epoch=16, verbose=0)
+        return model, history.history["loss"]
+
+    keras.utils.set_random_seed(seed)
+    reference, cpu_loss = train(False)
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 2
+    config.configure_ipu_system()
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    keras.utils.set_random_seed(seed)
+    try:
+        with strategy.scope():
+            model, ipu_loss = train(True)
+    finally:
+        config.auto_select_ipus = 1
+        config.configure_ipu_system()
+    run.losses("History loss", ipu_loss, cpu_loss)
+    run.arrays("weights", model.get_weights(), reference.get_weights())
+
+
+def example_user_guide_7(run: Run) -> None:
+    """graphcore/keras keras/ipu/docs/example7.py: a Sequential model on 2 IPUs,
+    ``set_pipeline_stage_assignment([0, 0, 1, 1])``, 16 accumulated micro-batches per update,
+    the Interleaved schedule."""
+    import keras
+
+    def create_model(stages: bool):
+        model = keras.Sequential([
+            keras.layers.Flatten(),  # Pipeline stage 0 (see _pipelined_user_guide).
+            keras.layers.Dense(8),  # Pipeline stage 0.
+            keras.layers.Dense(16),  # Pipeline stage 0.
+            keras.layers.Dense(16),  # Pipeline stage 1.
+            keras.layers.Dense(10),  # Pipeline stage 1.
+        ])
+        model.build((None, 28, 28))
+        if stages:
+            model.set_pipeline_stage_assignment([0, 0, 0, 1, 1])
+        return model
+
+    def options(model, ipu):
+        model.set_pipelining_options(
+            gradient_accumulation_steps_per_replica=16,
+            pipeline_schedule=ipu.ops.pipelining_ops.PipelineSchedule.Interleaved)
+
+    _pipelined_user_guide(run, create_model, options)
+
+
+def example_user_guide_8(run: Run) -> None:
+    """graphcore/keras keras/ipu/docs/example8.py: a functional model whose layers are built
+    and called in ``keras.ipu.PipelineStage(0)`` and ``(1)`` scopes, 2 IPUs."""
+    import contextlib
+
+    import keras
+
+    def create_model(stages: bool):
+        def stage(i):
+            return keras.ipu.PipelineStage(i) if stages else contextlib.nullcontext()
+
+        input_layer = keras.layers.Input((28, 28))
+        with stage(0):
+            x = keras.layers.Flatten()(input_layer)  # see _pipelined_user_guide
+            x = keras.layers.Dense(8)(x)
+            x = keras.layers.Dense(16)(x)
+        with stage(1):
+            x = keras.layers.Dense(16)(x)
+            x = keras.layers.Dense(10)(x)
+        return keras.Model(inputs=input_layer, outputs=x)
+
+    def options(model, ipu):
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=16)
+
+    _pipelined_user_guide(run, create_model, options)
+
+
+def example_user_guide_9(run: Run) -> None:
+    """graphcore/keras keras/ipu/docs/example9.py: ResNet50's assignments (weights=None here:
+    no download), edited to split the model at ``conv4_block2_add``, set back, and printed."""
+    import io
+    from contextlib import redirect_stdout
+
+    from keras.applications import resnet
+    from tensorflow.python import ipu
+
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = 1
+    config.configure_ipu_system()
+    strategy = ipu.ipu_strategy.IPUStrategy()
+    with strategy.scope():
+        model = resnet.ResNet50(weights=None)
+        assignments = model.get_pipeline_stage_assignment()
+        stage_id = 0
+        for assignment in assignments:
+            assignment.pipeline_stage = stage_id
+            if assignment.layer.name.startswith("conv4_block2_add"):
+                stage_id = 1
+        model.set_pipeline_stage_assignment(assignments)
+        printed = io.StringIO()
+        with redirect_stdout(printed):
+            model.print_pipeline_stage_assignment_summary()
+    stages = [a.pipeline_stage for a in model.get_pipeline_stage_assignment()]
+    split = next(k for k, a in enumerate(assignments) if a.layer.name.startswith("conv4_block2_add"))
+    run.true("stages 0 up to conv4_block2_add, 1 after it",
+             stages == [0] * (split + 1) + [1] * (len(stages) - split - 1), stages[split - 2:split + 3])
+    run.true("the summary names the split", "conv4_block2_add" in printed.getvalue(),
+             printed.getvalue()[:300])
+
+
+def example_keras_demo_pipelining(run: Run) -> None:
+    """graphcore/tutorials tutorials/tensorflow2/keras/completed_demos/completed_demo_pipelining.py:
+    the convnet in two ``ipu.keras.PipelineStage`` scopes, 4 IPUs = 2 replicas of a 2-IPU
+    pipeline, 8 accumulated micro-batches (Grouped), set_pipelining_options before compile.
+    With Dropout each replica draws its own masks, so training is not compared step for
+    step: evaluate is, against the CPU's evaluation of the trained weights on the last
+    replica's batches (the default metric reduction reports the last replica's)."""
+    import numpy as np  # noqa: F401
+    import tensorflow.keras as keras
+    from tensorflow.python import ipu
+
+    batch_size = 64
+    num_ipus = 4
+    num_replicas = num_ipus // 2
+    gradient_accumulation_steps_per_replica = 8
+
+    def model_fn(stages: bool = True):
+        import contextlib
+
+        def stage(i):
+            return ipu.keras.PipelineStage(i) if stages else contextlib.nullcontext()
+
+        input_layer = keras.Input(shape=(28, 28, 1))
+        with stage(0):
+            x = keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu")(input_layer)
+            x = keras.layers.MaxPooling2D(pool_size=(2, 2))(x)
+            x = keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu")(x)
+        with stage(1):
+            x = keras.layers.MaxPooling2D(pool_size=(2, 2))(x)
+            x = keras.layers.Flatten()(x)
+            x = keras.layers.Dropout(0.5)(x)
+            x = keras.layers.Dense(10, activation="softmax")(x)
+        return input_layer, x
+
+    def make_divisible(number, divisor):
+        return number - number % divisor
+
+    (x_train, y_train), (x_test, y_test) = _keras_demo_data(keras, 64 * 36 + 20, 64 * 32 + 9)
+    total_gradient_accumulation_steps = gradient_accumulation_steps_per_replica * num_replicas
+    train_steps_per_execution = x_train.shape[0] // (batch_size * num_replicas)
+    train_steps_per_execution = make_divisible(train_steps_per_execution,
+                                               total_gradient_accumulation_steps)
+    train_data_len = make_divisible(x_train.shape[0], train_steps_per_execution * batch_size)
+    x_train, y_train = x_train[:train_data_len], y_train[:train_data_len]
+    test_steps_per_execution = x_test.shape[0] // (batch_size * num_replicas)
+    test_steps_per_execution = make_divisible(test_steps_per_execution,
+                                              total_gradient_accumulation_steps)
+    test_data_len = make_divisible(x_test.shape[0], test_steps_per_execution * batch_size)
+    x_test, y_test = x_test[:test_data_len], y_test[:test_data_len]
+
+    def options(model):
+        model.set_pipelining_options(
+            gradient_accumulation_steps_per_replica=gradient_accumulation_steps_per_replica,
+            pipeline_schedule=ipu.ops.pipelining_ops.PipelineSchedule.Grouped)
+
+    _many_ipu_demo(run, keras, ipu, num_ipus, num_replicas, model_fn, lambda: model_fn(False),
+                   (x_train, y_train), (x_test, y_test), train_steps_per_execution,
+                   test_steps_per_execution, batch_size, seed=4, before_compile=options)
 
 
 def _als_optimizer(run: Run, optimizer, what: str = "keras.ipu.optimizers.ALSOptimizer"):

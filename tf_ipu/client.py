@@ -806,6 +806,7 @@ class DeviceClient:
         floating_point_behaviour: Mapping[str, bool] | None = None,
         stochastic_rounding_seed: int = 0,
         replicas: int = 1,
+        pipeline: Mapping[str, Any] | None = None,
     ) -> CompiledProgram:
         """Compiles a program for the session's IPUs (cached on the server by content).
 
@@ -823,6 +824,9 @@ class DeviceClient:
             stochastic_rounding_seed: seed of stochastic rounding (0: from the program).
             replicas: how many replicas run the program at once, one per attached IPU
                 (1: not replicated); every output then has a leading dimension of replicas.
+            pipeline: a pipelined program's stages (``tf_ipu.pipelining.plan``: "stages",
+                "stage_ipus", "ipus_per_replica", "schedule", "micro_batches",
+                "recomputation"); the module's instructions carry their stage.
 
         Returns:
             A ``CompiledProgram``.
@@ -852,6 +856,13 @@ class DeviceClient:
             opts.stochastic_rounding_seed = int(stochastic_rounding_seed)
         if replicas > 1:
             opts.replicas = int(replicas)
+        if pipeline:
+            opts.pipeline_stages = int(pipeline["stages"])
+            opts.stage_ipus.extend(int(i) for i in pipeline["stage_ipus"])
+            opts.ipus_per_replica = int(pipeline["ipus_per_replica"])
+            opts.pipeline_schedule = str(pipeline["schedule"])
+            opts.micro_batches = int(pipeline["micro_batches"])
+            opts.recomputation = bool(pipeline.get("recomputation", False))
         request = device_pb2.CompileRequest(session_id=self.session_id, options=opts)
         limit = self._session.max_message_bytes if self._session else 0
         if limit > 0 and module.ByteSize() > limit // 2:  # too big for one message: a blob

@@ -633,14 +633,15 @@ class IPUConfig(_Section):
         "system": "",
     }
     _notes = {
-        "allow_recompute": (Effect.KEPT, "the tile model charges every activation as kept "
-                            "until its gradient uses it (no recomputation)"),
-        "selection_order": (Effect.KEPT, "each device call runs on one IPU"),
+        "allow_recompute": (Effect.KEPT, "only pipelined models recompute here: the tile "
+                            "model charges their stages' recomputation; other programs keep "
+                            "every activation until its gradient uses it"),
+        "selection_order": (Effect.KEPT, "the replicas' IPUs are the session's, in id order"),
         "serialization_output_folder": (
             Effect.IGNORED, "set IPUConfig.executable_cache_path (or --executable_cache_path "
             "in $TF_POPLAR_FLAGS) to keep compiled programs on disk"),
         "compilation_poplar_options": (Effect.IGNORED, "the emulator is not Poplar's engine"),
-        "gcl_poplar_options": (Effect.IGNORED, "each device call runs on one IPU"),
+        "gcl_poplar_options": (Effect.IGNORED, "the emulator's collectives are not GCL's"),
     }
 
     def _check(self, name: str, value: Any) -> Any:

@@ -25,8 +25,26 @@ else one of the trainable variables' bytes per step, which the report notes).
 
     tf_ipu.estimate(model, 8, training=True, ipu_version="bow", replicas=4, system="bow2000")
 
-Not ready yet: pipelining over several IPUs; models whose inputs have no static shape apart
-from the batch dimension.
+Gradient accumulation and time to train (``TrainingEstimate``): with
+``gradient_accumulation_steps_per_replica=N`` (``--gradient-accumulation N``) the step is
+planned as above, as one micro-batch, and the weight update (the gradients' all-reduce and
+the optimizer's update, sized on its own) happens once every N micro-batches; each
+micro-batch adds its gradients into accumulators instead. ``dataset_size`` with ``epochs``,
+or ``steps`` (weight updates), gives the time to train with that configuration.
+
+    t = tf_ipu.estimate(model, 4, training=True, ipu_version="bow", replicas=16,
+                        system="bow-pod16", gradient_accumulation_steps_per_replica=16,
+                        dataset_size=1_281_167, epochs=90)
+    t.throughput, t.all_reduce_share, t.effective_batch, t.time_to_train_s, t.step
+    print(t.time_to_train_summary())
+
+    per micro-batch  = step - all-reduce - update + accumulate      (compute, host, syncs)
+    per weight update = N x per micro-batch + all-reduce + update
+    time to train    = weight updates x per weight update
+
+Not ready yet: pipelining over several IPUs (a pipelined step holds its N micro-batches and
+its update: its time to train will come with the stages' model, not from this one); models
+whose inputs have no static shape apart from the batch dimension.
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -58,7 +77,7 @@ from device_server.protocol import ALL_REDUCE_TARGET, hardware  # noqa: E402
 from tf_ipu import report as _report  # noqa: E402,F401  (makes tf_ipu.report.save_html reachable)
 from tf_ipu.lowering.program import lower_function  # noqa: E402
 
-__all__ = ["Estimate", "Sweep", "estimate", "estimate_sweep", "main"]
+__all__ = ["Estimate", "Sweep", "TrainingEstimate", "estimate", "estimate_sweep", "main"]
 
 _KIND_OF = {"arg": "argument", "var": "variable", "const": "constant"}
 
@@ -169,14 +188,93 @@ def _gradient_bytes(model: Any) -> int:
     return total
 
 
+def _check_training_schedule(training: bool, accumulation: Any, dataset_size: Any, epochs: Any,
+                             steps: Any) -> None:
+    """The arguments of gradient accumulation and time to train, checked at the door."""
+    if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps_per_replica must be an int >= 1 (1: no accumulation). "
+            f"Received: gradient_accumulation_steps_per_replica={accumulation!r}"
+        )
+    if dataset_size is not None and (not isinstance(dataset_size, int) or isinstance(dataset_size, bool)
+                                     or dataset_size < 1):
+        raise ValueError(f"dataset_size must be a positive int (items in the dataset). "
+                         f"Received: dataset_size={dataset_size!r}")
+    if epochs is not None and (not isinstance(epochs, (int, float)) or isinstance(epochs, bool)
+                               or not math.isfinite(epochs) or epochs <= 0):
+        raise ValueError(f"epochs must be a positive number. Received: epochs={epochs!r}")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"steps (weight updates) must be a positive int. Received: steps={steps!r}")
+    if epochs is not None and steps is not None:
+        raise ValueError(f"give the training's length as epochs (with dataset_size) or as steps "
+                         f"(weight updates), not both. Received: epochs={epochs!r}, steps={steps!r}")
+    if epochs is not None and dataset_size is None:
+        raise ValueError(f"epochs needs dataset_size (items per epoch). Received: epochs={epochs!r}, "
+                         f"dataset_size=None")
+    if not training and (accumulation > 1 or dataset_size is not None or steps is not None):
+        raise ValueError(
+            f"gradient accumulation and time to train apply to training steps: pass "
+            f"training=True. Received: training={training!r}, "
+            f"gradient_accumulation_steps_per_replica={accumulation!r}, "
+            f"dataset_size={dataset_size!r}, epochs={epochs!r}, steps={steps!r}"
+        )
+
+
+def _plan_alone(fn: Any, specs: list[tf.TensorSpec], name: str, target: Any) -> Estimate:
+    """``fn`` lowered and planned on one IPU of ``target`` (no replicas, no system)."""
+    lowered = lower_function(fn, specs, name)
+    params = json.loads(lowered.signature)["params"]
+    kinds = {n: _KIND_OF[p["kind"]] for n, p in enumerate(params)}
+    return estimate_module(lowered.module, None, target, param_kinds=kinds)
+
+
+def _size_weight_update(model: Any, target: Any, in_replica: Any, name: str) -> tuple[int, int, list[str]]:
+    """Device cycles, on one IPU, of the optimizer's update of the trainable variables alone
+    and of adding one step's gradients into accumulators (one per trainable variable, laid out
+    as it is), each lowered and planned as a program of its own; and notes. Nothing runs."""
+    variables = list(getattr(model, "trainable_variables", []) or [])
+    if not variables:
+        return 0, 0, ["the model has no trainable variables: no weight update to separate"]
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's own
+
+    def update(*grads: tf.Tensor) -> tf.Tensor:
+        in_replica(lambda *g: inner.apply(list(g), variables), *grads)
+        return tf.constant(0, tf.int32)
+
+    def accumulate(*grads: tf.Tensor) -> Any:
+        return in_replica(lambda *g: [tf.convert_to_tensor(v) + x for v, x in zip(variables, g, strict=True)],
+                          *grads)
+
+    sized, notes = [], []
+    for what, fn in (("weight update", update), ("gradient accumulation", accumulate)):
+        try:
+            est = _plan_alone(fn, specs, f"{name}/{what.replace(' ', '_')}", target)
+        except Exception as e:  # noqa: BLE001 - the estimate goes on without it, and says so
+            est, why = None, f"{type(e).__name__}: {e}"
+        else:
+            why = "; ".join(est.notes) if est.cycles == 0 else ""
+        if est is None or why:
+            notes.append(f"the {what} could not be sized on its own ({why}): "
+                         + ("it stays in every micro-batch's step" if what == "weight update"
+                            else "not charged"))
+            sized.append(0)
+        else:
+            sized.append(int(est.device_cycles))
+    return sized[0], sized[1], notes
+
+
 def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: str = "ipu2",
              tiles_per_ipu: int = 0, *, input_spec: Any = None, label_spec: Any = None,
-             replicas: int = 1, system: Any = None, ipu_ids: Sequence[int] = ()) -> Estimate:
+             replicas: int = 1, system: Any = None, ipu_ids: Sequence[int] = (),
+             gradient_accumulation_steps_per_replica: int = 1, dataset_size: int | None = None,
+             epochs: float | None = None, steps: int | None = None) -> Estimate | TrainingEstimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
 
     Args:
         model: a built Keras model (its ``inputs`` give the input shapes).
-        batch_size: items per step.
+        batch_size: items per step (per replica; with accumulation, per micro-batch).
         training: estimate a training step (``model.train_step`` with the model's compiled
             loss and optimizer); else inference (``model(x, training=False)``).
         ipu_version: "ipu1" (GC2), "ipu2" (GC200) or "bow" (alias "ipu21").
@@ -190,24 +288,45 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         system: the system whose IPUs run them: a name ("bow2000", "dss8440", ...) or a
             ``device_server.protocol.hardware.System``; None: ``replicas`` plain IPUs.
         ipu_ids: which of the system's IPUs (default: the first ``replicas``).
+        gradient_accumulation_steps_per_replica: micro-batches (steps of ``batch_size``) per
+            weight update on each replica (Graphcore's name; 1: an update every step). The
+            step is planned as one micro-batch; its all-reduce and the optimizer's update are
+            charged once per N micro-batches, and each micro-batch adds its gradients into
+            accumulators (training only).
+        dataset_size: items in the dataset, for the time to train (with ``epochs``; alone:
+            one epoch).
+        epochs: passes over ``dataset_size`` items (may be fractional).
+        steps: the training's length in weight updates instead (not with ``epochs``).
 
     Returns:
         An :class:`Estimate`: ``.latency_s``, ``.throughput`` (items/s), ``.cycles``,
         ``.peak_tile_bytes``, ``.fits`` (False when it would not fit: never raises for
         that), ``.to_json()``, ``.save_html(path)``; with replicas, ``.all_reduce_cycles``,
-        ``.all_reduce_share`` and the per-IPU figures of one replica.
+        ``.all_reduce_share`` and the per-IPU figures of one replica. A training estimate
+        with ``gradient_accumulation_steps_per_replica`` > 1, ``dataset_size`` or ``steps``
+        is a :class:`TrainingEstimate` instead: the same figures per micro-batch with the
+        weight update amortized, ``.effective_batch``, ``.seconds_per_update``,
+        ``.time_to_train_s``, and the step's own :class:`Estimate` as ``.step``.
 
     Raises:
-        ValueError: a bad ``batch_size``, or replicas the system cannot run (more than its
-            IPUs, ``ipu_ids`` not one per replica, IPUs of another version).
+        ValueError: a bad ``batch_size``, accumulation count or training length (naming the
+            value received), or replicas the system cannot run (more than its IPUs,
+            ``ipu_ids`` not one per replica, IPUs of another version).
 
     Example:
         >>> model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
         >>> r = tf_ipu.estimate(model, batch_size=32, ipu_version="bow")
         >>> r.fits, f"{r.latency_s * 1e6:.1f} us", f"{r.throughput:,.0f} items/s"
+        >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        >>> t = tf_ipu.estimate(model, 32, training=True, ipu_version="bow", replicas=4,
+        ...                     system="bow2000", gradient_accumulation_steps_per_replica=8,
+        ...                     dataset_size=60_000, epochs=10)
+        >>> t.effective_batch, t.all_reduce_share, t.time_to_train_summary()
     """
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int. Received: batch_size={batch_size!r}")
+    accumulation = gradient_accumulation_steps_per_replica
+    _check_training_schedule(training, accumulation, dataset_size, epochs, steps)
     target = get_target(ipu_version, tiles_per_ipu)
     system = _system(system)
     many = {"replicas": replicas, "system": system, "ipu_ids": tuple(ipu_ids)}
@@ -219,7 +338,9 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     # variables (optimizer slots built here) in the strategy's scope, the step in a replica
     # context. Nothing runs; the model's state is left as fit would find it.
     strategy = getattr(model, "_distribute_strategy", None)
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+    def scope() -> Any:  # a new context manager each time it is entered
+        return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
     def in_replica(fn: Any, *args: Any) -> Any:
         if strategy is None:
@@ -228,7 +349,7 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         with lowering() if lowering is not None else contextlib.nullcontext():
             return strategy.extended.call_for_each_replica(fn, args=args)
 
-    with scope:
+    with scope():
         if training:
             y_specs = _label_specs(model, batch_size, label_spec)
             _prepare_training(model, x_specs, y_specs)
@@ -264,14 +385,309 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     }
     if report.replicas > 1:
         report.context["global_batch"] = batch_size * report.replicas
-    return report
+    own, _ = _accumulation_options(model)
+    if training and own > 1 and accumulation == 1:
+        report.notes.append(f"the model's set_gradient_accumulation_options({own}) is not applied "
+                            f"here: pass gradient_accumulation_steps_per_replica={own}")
+    if not training or (accumulation == 1 and dataset_size is None and steps is None):
+        return report
+    t2 = time.perf_counter()
+    with scope():
+        update, accumulate, notes = _size_weight_update(model, target, in_replica, name)
+    report.context["update_seconds"] = round(time.perf_counter() - t2, 3)
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    return TrainingEstimate(
+        step=report, gradient_accumulation_steps_per_replica=accumulation,
+        update_cycles=min(update, report.device_cycles), accumulate_cycles=accumulate,
+        accumulator_bytes=_gradient_bytes(model), dataset_size=dataset_size,
+        epochs=(1 if dataset_size is not None and steps is None and epochs is None else epochs),
+        steps=steps, precision=str(getattr(getattr(model, "dtype_policy", None), "name", "") or ""),
+        optimizer=type(optimizer).__name__ if optimizer is not None else "", notes=notes)
+
+
+def _accumulation_options(model: Any) -> tuple[int, str]:
+    """The model's own ``set_gradient_accumulation_options`` ((1, "sum") if never set)."""
+    from tf_ipu import accumulation
+
+    return accumulation.options(model)
+
+
+def _fmt_duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:,.3f} ms"
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:,.1f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:,.2f} h"
+    return f"{seconds / 86400:,.2f} days"
+
+
+@dataclass
+class TrainingEstimate:
+    """A training step with gradient accumulation and the time to train (``tf_ipu.estimate``
+    with ``gradient_accumulation_steps_per_replica``, ``dataset_size``/``epochs`` or
+    ``steps``).
+
+    ``step`` is the per-step :class:`Estimate` (one micro-batch, planned as without
+    accumulation: its all-reduce and the optimizer's update inside). From its fields, with N
+    micro-batches per weight update (``update_cycles``, ``accumulate_cycles``: 0 with N = 1)::
+
+        micro_batch_cycles  = step.cycles - step.all_reduce_cycles - update_cycles
+                              + accumulate_cycles        (compute, host transfers, syncs)
+        weight_update_cycles = step.all_reduce_cycles + update_cycles   (once per update)
+        cycles_per_update   = N x micro_batch_cycles + weight_update_cycles
+        cycles              = cycles_per_update / N      (per micro-batch, amortized)
+        throughput          = replicas x batch x N / seconds_per_update
+        effective_batch     = batch x N x replicas       (items per weight update)
+        time_to_train_s     = weight updates x seconds_per_update
+
+    ``cycles``, ``seconds``, ``latency_s``, ``all_reduce_cycles`` and ``throughput`` are per
+    micro-batch with the weight update amortized (so ``all_reduce_share`` = ``all_reduce_cycles
+    / cycles`` as for an Estimate); ``peak_tile_bytes`` and ``fits`` count the accumulators.
+    Any other attribute is the step's (``host_cycles``, ``device_cycles``, ``top_ops``, ...).
+
+    Example:
+        >>> t = tf_ipu.estimate(model, 4, training=True, ipu_version="bow", replicas=4,
+        ...                     system="bow2000", gradient_accumulation_steps_per_replica=16,
+        ...                     dataset_size=1_281_167, epochs=90)
+        >>> t.throughput, t.all_reduce_share, t.effective_batch, t.time_to_train_s
+        >>> t.with_accumulation(64).time_to_train(dataset_size=1_281_167, epochs=90)
+    """
+
+    step: Estimate
+    gradient_accumulation_steps_per_replica: int = 1
+    update_cycles: int = 0        # the optimizer's update alone, one IPU (inside step.device_cycles)
+    accumulate_cycles: int = 0    # adding one micro-batch's gradients into the accumulators
+    accumulator_bytes: int = 0    # per IPU: one accumulator per trainable variable, its dtype
+    dataset_size: int | None = None
+    epochs: float | None = None
+    steps: int | None = None      # the training's length in weight updates (instead of epochs)
+    precision: str = ""           # the model's dtype policy ("mixed_float16", "float32")
+    optimizer: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "step":  # copy/pickle probe before __init__
+            raise AttributeError(name)
+        return getattr(self.step, name)
+
+    # -- the schedule ------------------------------------------------------------------------
+    @property
+    def accumulating(self) -> bool:
+        """True with N > 1 (accumulators, the update once per N micro-batches)."""
+        return self.gradient_accumulation_steps_per_replica > 1
+
+    @property
+    def micro_batch_cycles(self) -> float:
+        """Cycles of one micro-batch without the weight update: compute, host transfers,
+        replica syncs (and the accumulation of its gradients)."""
+        s = self.step
+        if not self.accumulating:
+            return float(s.cycles - s.all_reduce_cycles)
+        return float(s.cycles - s.all_reduce_cycles - self.update_cycles + self.accumulate_cycles)
+
+    @property
+    def weight_update_cycles(self) -> float:
+        """Cycles of one weight update: the gradients' all-reduce and (with N > 1) the
+        optimizer's update."""
+        return float(self.step.all_reduce_cycles + (self.update_cycles if self.accumulating else 0))
+
+    @property
+    def cycles_per_update(self) -> float:
+        return self.gradient_accumulation_steps_per_replica * self.micro_batch_cycles \
+            + self.weight_update_cycles
+
+    @property
+    def seconds_per_update(self) -> float:
+        return self.cycles_per_update / self.step.clock_hz
+
+    @property
+    def cycles(self) -> float:
+        """Cycles per micro-batch, the weight update amortized over N."""
+        return self.cycles_per_update / self.gradient_accumulation_steps_per_replica
+
+    @property
+    def seconds(self) -> float:
+        return self.cycles / self.step.clock_hz
+
+    @property
+    def latency_s(self) -> float:
+        """Seconds per micro-batch, the weight update amortized (``seconds``)."""
+        return self.seconds
+
+    @property
+    def all_reduce_cycles(self) -> float:
+        """The all-reduce's cycles per micro-batch: the step's over N."""
+        return self.step.all_reduce_cycles / self.gradient_accumulation_steps_per_replica
+
+    @property
+    def all_reduce_share(self) -> float:
+        """The all-reduce's share of the time per weight update (0..1)."""
+        return self.step.all_reduce_cycles / self.cycles_per_update if self.cycles_per_update > 0 else 0.0
+
+    @property
+    def effective_batch(self) -> int:
+        """Items per weight update: batch x N x replicas."""
+        return self.step.items_per_call * self.gradient_accumulation_steps_per_replica \
+            * max(1, self.step.replicas)
+
+    @property
+    def throughput(self) -> float:
+        """Items per second of all replicas, the weight update amortized."""
+        return self.effective_batch / self.seconds_per_update if self.cycles_per_update > 0 else 0.0
+
+    # -- memory ------------------------------------------------------------------------------
+    def _peak(self) -> tuple[int, int]:
+        """(tile, bytes) of the fullest tile with the accumulators (laid out as the trainable
+        variables, which are that share of the step's variable bytes on every tile)."""
+        s = self.step
+        if not self.accumulating or not self.accumulator_bytes:
+            return s.peak_tile, s.peak_tile_bytes
+        mem = s.memory or {}
+        variables = mem.get("variables") or []
+        held = float(sum(variables))
+        if not held:
+            return s.peak_tile, s.peak_tile_bytes + math.ceil(self.accumulator_bytes / s.tiles_per_ipu)
+        share = self.accumulator_bytes / held
+        totals = [sum(col) + v * share for col, v in zip(zip(*mem.values(), strict=True), variables,
+                                                         strict=True)]
+        tile = max(range(len(totals)), key=totals.__getitem__)
+        return tile, int(math.ceil(totals[tile]))
+
+    @property
+    def peak_tile_bytes(self) -> int:
+        """The fullest tile's bytes, with the accumulators (N > 1)."""
+        return self._peak()[1]
+
+    @property
+    def peak_tile(self) -> int:
+        return self._peak()[0]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_tile_bytes <= self.step.tile_bytes_limit
+
+    # -- time to train -----------------------------------------------------------------------
+    def updates(self, dataset_size: int | None = None, epochs: float | None = None,
+                steps: int | None = None) -> int | None:
+        """Weight updates of a training of ``steps`` updates, or of ``epochs`` passes over
+        ``dataset_size`` items (ceil(epochs x dataset_size / effective_batch): the dataset
+        streamed through, the last update completed); default: the estimate's own length."""
+        if dataset_size is None and epochs is None and steps is None:
+            dataset_size, epochs, steps = self.dataset_size, self.epochs, self.steps
+        _check_training_schedule(True, self.gradient_accumulation_steps_per_replica, dataset_size,
+                                 epochs, steps)
+        if steps is not None:
+            return steps
+        if dataset_size is None:
+            return None
+        return math.ceil((1 if epochs is None else epochs) * dataset_size / self.effective_batch)
+
+    def time_to_train(self, dataset_size: int | None = None, epochs: float | None = None,
+                      steps: int | None = None) -> float | None:
+        """Seconds to train: weight updates (see :meth:`updates`) x ``seconds_per_update``;
+        None without a length."""
+        n = self.updates(dataset_size, epochs, steps)
+        return None if n is None else n * self.seconds_per_update
+
+    @property
+    def time_to_train_s(self) -> float | None:
+        """Seconds to train for the estimate's ``dataset_size``/``epochs`` or ``steps``."""
+        return self.time_to_train()
+
+    def with_accumulation(self, gradient_accumulation_steps_per_replica: int) -> TrainingEstimate:
+        """The same step with another accumulation count (nothing is planned again)."""
+        _check_training_schedule(True, gradient_accumulation_steps_per_replica, None, None, None)
+        from dataclasses import replace
+
+        return replace(self, gradient_accumulation_steps_per_replica=gradient_accumulation_steps_per_replica)
+
+    # -- output ------------------------------------------------------------------------------
+    def configuration(self) -> str:
+        """The configuration the figures assume, in words (IPUs, system, batch, accumulation,
+        replicas, precision, optimizer)."""
+        s = self.step
+        product = (s.preset or {}).get("product") or s.ipu_version
+        r = max(1, s.replicas)
+        where = f"{r} {product} IPU{'s' if r > 1 else ''}" + (f" of {s.system}" if s.system else "")
+        kind = ", ".join(x for x in (self.precision, self.optimizer) if x)
+        return (f"{where}, batch {s.items_per_call} x accumulation "
+                f"{self.gradient_accumulation_steps_per_replica} x {r} replica{'s' if r > 1 else ''}"
+                f" = effective batch {self.effective_batch:,}" + (f", {kind}" if kind else ""))
+
+    def time_to_train_summary(self) -> str:
+        """One line: the training's length, the time to train and the configuration."""
+        n = self.updates()
+        if n is None:
+            return "time to train: no length given (dataset_size with epochs, or steps)"
+        t = n * self.seconds_per_update
+        length = (f"{self.epochs:g} epoch{'s' if self.epochs != 1 else ''} of {self.dataset_size:,} "
+                  f"items = {n:,} weight updates" if self.steps is None else f"{n:,} weight updates")
+        return (f"time to train {self.step.context.get('model', self.step.program or 'the model')}: "
+                f"{length} x {self.seconds_per_update * 1e3:,.3f} ms = {_fmt_duration(t)} "
+                f"({self.throughput:,.1f} items/s) on {self.configuration()}")
+
+    def summary(self) -> str:
+        """One line: the configuration, throughput, time per micro-batch and per update, the
+        all-reduce's share, memory (and the time to train)."""
+        s = self.step
+        line = (f"{s.program or 'program'} on {self.configuration()}: "
+                f"{self.throughput:,.1f} items/s, {self.seconds * 1e3:.3f} ms per micro-batch, "
+                f"{self.seconds_per_update * 1e3:.3f} ms per weight update (all-reduce "
+                f"{self.all_reduce_share:.1%} of it); peak tile {self.peak_tile} "
+                f"{self.peak_tile_bytes:,} B of {s.tile_bytes_limit:,} B"
+                + (" with the accumulators" if self.accumulating else "")
+                + ("" if self.fits else " (DOES NOT FIT)"))
+        if self.updates() is not None:
+            t = self.time_to_train_s or 0.0
+            line += f"; {self.updates():,} weight updates: {_fmt_duration(t)}"
+        return line
+
+    def __repr__(self) -> str:
+        return f"<TrainingEstimate {self.summary()}>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The step's report (``Estimate.to_dict``) with a ``training`` entry of these figures
+        and the summary in its notes."""
+        d = self.step.to_dict()
+        d["training"] = {
+            "gradient_accumulation_steps_per_replica": self.gradient_accumulation_steps_per_replica,
+            "update_cycles": self.update_cycles, "accumulate_cycles": self.accumulate_cycles,
+            "accumulator_bytes": self.accumulator_bytes,
+            "micro_batch_cycles": self.micro_batch_cycles,
+            "weight_update_cycles": self.weight_update_cycles,
+            "cycles_per_update": self.cycles_per_update, "seconds_per_update": self.seconds_per_update,
+            "cycles": self.cycles, "seconds": self.seconds, "throughput": self.throughput,
+            "all_reduce_share": self.all_reduce_share, "effective_batch": self.effective_batch,
+            "peak_tile": self.peak_tile, "peak_tile_bytes": self.peak_tile_bytes, "fits": self.fits,
+            "precision": self.precision, "optimizer": self.optimizer,
+            "dataset_size": self.dataset_size, "epochs": self.epochs, "steps": self.steps,
+            "updates": self.updates(), "time_to_train_s": self.time_to_train_s,
+            "summary": self.summary(),
+        }
+        d["notes"] = [*d["notes"], *self.notes, self.summary()]
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent,
+                          default=lambda x: x.item() if hasattr(x, "item") else str(x))
+
+    def save_html(self, path: str) -> str:
+        """The step's HTML report, with this summary among its notes; returns the path."""
+        return _report.save_html(self.to_dict(), path)
+
+    def _repr_html_(self) -> str:
+        return _report.render_html(self.to_dict())
 
 
 @dataclass
 class Sweep:
     """Estimates of one model at several batch sizes."""
 
-    estimates: list[Estimate]
+    estimates: list[Estimate | TrainingEstimate]
     points: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,7 +696,7 @@ class Sweep:
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps({"points": self.points}, indent=indent)
 
-    def best(self) -> Estimate:
+    def best(self) -> Estimate | TrainingEstimate:
         """The highest-throughput estimate that fits (else the smallest batch)."""
         fitting = [e for e in self.estimates if e.fits]
         if not fitting:
@@ -300,12 +716,16 @@ class Sweep:
 
 
 def estimate_sweep(model: Any, batch_sizes: Sequence[int], training: bool = False,
-                   ipu_version: str = "ipu2", tiles_per_ipu: int = 0, **kwargs: Any) -> Sweep:
+                   ipu_version: str = "ipu2", tiles_per_ipu: int = 0, *,
+                   gradient_accumulation_steps_per_replica: int = 1, **kwargs: Any) -> Sweep:
     """:func:`estimate` at each of ``batch_sizes``: latency and throughput vs batch size.
 
     Every estimate carries the sweep (``report.sweep``), so its HTML page plots it. With
     ``replicas=R`` (and ``system=...``) in ``kwargs`` the batch sizes are per replica and each
-    point's throughput counts all R replicas' items.
+    point's throughput counts all R replicas' items. With
+    ``gradient_accumulation_steps_per_replica=N`` (training) they are micro-batches: each
+    estimate is a :class:`TrainingEstimate` and each point has its ``effective_batch``, its
+    throughput and all-reduce share with the weight update amortized over N.
 
     Example:
         >>> sweep = tf_ipu.estimate_sweep(model, [1, 2, 4, 8, 16])
@@ -315,13 +735,22 @@ def estimate_sweep(model: Any, batch_sizes: Sequence[int], training: bool = Fals
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] <= 0:
         raise ValueError(f"batch_sizes must be positive ints. Received: {list(batch_sizes)!r}")
-    estimates = [estimate(model, b, training, ipu_version, tiles_per_ipu, **kwargs) for b in sizes]
-    points = [{"batch_size": e.items_per_call, "latency_s": e.latency_s, "throughput": e.throughput,
-               "fits": e.fits, "peak_tile_bytes": e.peak_tile_bytes, "cycles": e.cycles,
-               "replicas": e.replicas, "all_reduce_share": e.all_reduce_share}
-              for e in estimates]
+    estimates = [estimate(model, b, training, ipu_version, tiles_per_ipu,
+                          gradient_accumulation_steps_per_replica=gradient_accumulation_steps_per_replica,
+                          **kwargs) for b in sizes]
+    points = []
     for e in estimates:
-        e.sweep = points
+        pt = {"batch_size": e.items_per_call, "latency_s": e.latency_s, "throughput": e.throughput,
+              "fits": e.fits, "peak_tile_bytes": e.peak_tile_bytes, "cycles": e.cycles,
+              "replicas": e.replicas, "all_reduce_share": e.all_reduce_share}
+        if isinstance(e, TrainingEstimate):
+            pt.update(gradient_accumulation_steps_per_replica=e.gradient_accumulation_steps_per_replica,
+                      effective_batch=e.effective_batch, seconds_per_update=e.seconds_per_update)
+            if e.time_to_train_s is not None:
+                pt["time_to_train_s"] = e.time_to_train_s
+        points.append(pt)
+    for e in estimates:
+        (e.step if isinstance(e, TrainingEstimate) else e).sweep = points
     return Sweep(estimates, points)
 
 
@@ -364,6 +793,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", default="", help="the replicas' system: " + ", ".join(hardware.SYSTEMS))
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="fp16: Keras mixed_float16 policy")
+    p.add_argument("--gradient-accumulation", type=int, default=1, metavar="N",
+                   help="--training: micro-batches per weight update per replica (default 1)")
+    p.add_argument("--dataset-size", type=int, default=None,
+                   help="--training: items in the dataset, for the time to train")
+    p.add_argument("--epochs", type=float, default=None, help="with --dataset-size (default 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="--training: the time to train of this many weight updates")
     p.add_argument("--sweep", default="", help="batch sizes to sweep, e.g. 1,2,4,8")
     p.add_argument("--html", default="", help="write the HTML report here")
     p.add_argument("--json", default="", help="write the JSON report here")
@@ -371,29 +807,51 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.model, args.precision)
     if args.training:
         model.compile(optimizer=args.optimizer, loss=_keras().losses.SparseCategoricalCrossentropy(from_logits=True))
-    many = {"replicas": args.replicas, "system": args.system or None}
-    if args.sweep:
-        sizes = [int(s) for s in args.sweep.split(",") if s.strip()]
-        sweep = estimate_sweep(model, sorted({*sizes, args.batch_size}), args.training,
-                               args.ipu_version, args.tiles_per_ipu, **many)
-        report = next(e for e in sweep.estimates if e.items_per_call == args.batch_size)
-        for pt in sweep.points:
-            print(f"  batch {pt['batch_size']:5d}: {pt['latency_s'] * 1e3:9.3f} ms  "
-                  f"{pt['throughput']:12,.1f} items/s  {'fits' if pt['fits'] else 'DOES NOT FIT'}")
-    else:
-        report = estimate(model, args.batch_size, args.training, args.ipu_version, args.tiles_per_ipu,
-                          **many)
+    many = {"replicas": args.replicas, "system": args.system or None,
+            "gradient_accumulation_steps_per_replica": args.gradient_accumulation}
+    if args.dataset_size is not None or args.steps is not None or args.epochs is not None:
+        many.update(dataset_size=args.dataset_size, steps=args.steps,
+                    epochs=None if args.epochs is None else
+                    int(args.epochs) if float(args.epochs).is_integer() else args.epochs)
+    try:
+        if args.sweep:
+            sizes = [int(s) for s in args.sweep.split(",") if s.strip()]
+            sweep = estimate_sweep(model, sorted({*sizes, args.batch_size}), args.training,
+                                   args.ipu_version, args.tiles_per_ipu, **many)
+            report = next(e for e in sweep.estimates if e.items_per_call == args.batch_size)
+            for pt in sweep.points:
+                print(f"  batch {pt['batch_size']:5d}: {pt['latency_s'] * 1e3:9.3f} ms  "
+                      f"{pt['throughput']:12,.1f} items/s  {'fits' if pt['fits'] else 'DOES NOT FIT'}")
+        else:
+            report = estimate(model, args.batch_size, args.training, args.ipu_version,
+                              args.tiles_per_ipu, **many)
+    except ValueError as e:
+        p.error(str(e))
     print(report.summary())
-    print(f"  lowering {report.context['lower_seconds']:.2f} s, planning "
-          f"{report.context['plan_seconds']:.2f} s; {report.supersteps:,} supersteps; "
-          f"compute {report.compute_cycles:,} / exchange {report.exchange_cycles:,} / sync "
-          f"{report.sync_cycles:,} / host {report.host_cycles:,} cycles"
-          + (f" / all-reduce {report.all_reduce_cycles:,} / replica syncs "
-             f"{report.replica_sync_cycles:,}" if report.replicas > 1 else ""))
-    for op in report.top_ops[:5]:
+    step = report.step if isinstance(report, TrainingEstimate) else report
+    if isinstance(report, TrainingEstimate):
+        if report.time_to_train_s is not None:
+            print(report.time_to_train_summary())
+        print(f"  per step (one micro-batch, its weight update in it): {step.summary()}")
+        print(f"  weight update {report.weight_update_cycles:,.0f} cycles (all-reduce "
+              f"{step.all_reduce_cycles:,} + optimizer {report.update_cycles:,}) once per "
+              f"{report.gradient_accumulation_steps_per_replica} micro-batches of "
+              f"{report.micro_batch_cycles:,.0f} cycles (accumulating "
+              f"{report.accumulate_cycles:,} of them)")
+    print(f"  lowering {step.context['lower_seconds']:.2f} s, planning "
+          f"{step.context['plan_seconds']:.2f} s; {step.supersteps:,} supersteps; "
+          f"compute {step.compute_cycles:,} / exchange {step.exchange_cycles:,} / sync "
+          f"{step.sync_cycles:,} / host {step.host_cycles:,} cycles"
+          + (f" / all-reduce {step.all_reduce_cycles:,} / replica syncs "
+             f"{step.replica_sync_cycles:,}" if step.replicas > 1 else ""))
+    for op in step.top_ops[:5]:
         print(f"    {op['cycles']:12,.0f} cycles  {op['name']} ({op['opcode']}) {op['layer']}")
-    if not report.fits:
-        print(report.oom_message())
+    if not step.fits:
+        print(step.oom_message())
+    elif not report.fits:
+        print(f"With the gradient accumulators ({report.accumulator_bytes:,} B per IPU) tile "
+              f"{report.peak_tile} holds {report.peak_tile_bytes:,} B of "
+              f"{step.tile_bytes_limit:,} B: it does not fit.")
     if args.html:
         print(f"HTML report: {report.save_html(args.html)}")
     if args.json:

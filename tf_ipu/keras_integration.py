@@ -31,7 +31,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from device_server.protocol import DEVICE_LOOP_NAME, INFEED_TARGET
-from tf_ipu import accumulation, errors, feeds, interrupt, notices, replication
+from tf_ipu import accumulation, errors, feeds, interrupt, notices, pipelining, replication
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
@@ -83,6 +83,11 @@ def install() -> None:
     TensorFlowTrainer.set_gradient_accumulation_options = (
         accumulation.set_gradient_accumulation_options)
     TensorFlowTrainer.set_replication_options = replication.set_replication_options
+    for name in ("set_pipeline_stage_assignment", "get_pipeline_stage_assignment",
+                 "reset_pipeline_stage_assignment", "print_pipeline_stage_assignment_summary",
+                 "set_pipelining_options"):
+        setattr(TensorFlowTrainer, name, getattr(pipelining, name))
+    pipelining.install()
     replication.install_epoch_iterator()
     replication.install_predict_marker()
     replication.install_logs()
@@ -218,14 +223,19 @@ def _install_sync_points() -> None:
 
 
 def _compiled(device_loop: Any, specs: list[tf.TensorSpec], name: str,
-              replicas: int = 1) -> tuple[LoweredProgram, Any]:
-    """Lowers a device loop (of ``replicas`` replicas) and compiles it now (so that errors,
-    an unsupported op or out of memory, name the model's layers here, and the estimate is
-    reported before the first step); returns it with the traced runner that calls it
-    through IpuExecute."""
+              replicas: int = 1, model: Any = None,
+              pipeline: dict[str, Any] | None = None) -> tuple[LoweredProgram, Any]:
+    """Lowers a device loop (of ``replicas`` replicas; a pipelined ``model``'s ops tagged
+    with their stages) and compiles it now (so that errors, an unsupported op or out of
+    memory, name the model's layers here, and the estimate is reported before the first
+    step); returns it with the traced runner that calls it through IpuExecute."""
     from tf_ipu import runtime
 
-    lowered = lower_function(device_loop, specs, name, replicas)
+    if pipeline is not None:
+        with pipelining.tagging(model, pipelining.stages_of(model)):
+            lowered = lower_function(device_loop, specs, name, replicas, pipeline)
+    else:
+        lowered = lower_function(device_loop, specs, name, replicas)
     runtime.get_runtime().compile(lowered.program, lowered.signature)
 
     @tf.function(autograph=False)
@@ -233,6 +243,13 @@ def _compiled(device_loop: Any, specs: list[tf.TensorSpec], name: str,
         return call_lowered(lowered, list(args))
 
     return lowered, runner
+
+
+def runtime_config() -> Any:
+    """The IPU system's configuration (IPUConfig), or None before it is configured."""
+    from tf_ipu import runtime
+
+    return runtime.get_runtime().config
 
 
 def _signature(batch: list[tf.Tensor]) -> tuple:
@@ -256,7 +273,14 @@ class IPUStepFunction:
         self.steps_per_execution = max(1, int(model.steps_per_execution))
         #: Replicas of its device programs, the steps each runs per call, and the batches
         #: a call takes (step i of replica r takes batch i * replicas + r).
-        self.replicas = model.distribute_strategy.replication_factor
+        #: A pipelined model's stages (tf_ipu.pipelining.plan), or None.
+        self.pipeline = pipelining.plan(model, self.steps_per_execution)
+        if self.pipeline is not None:
+            if kind == "train":
+                pipelining.check_training(model, self.pipeline)
+            cfg = runtime_config()
+            self.pipeline["recomputation"] = bool(getattr(cfg, "allow_recompute", False))
+        self.replicas = replication.replicas_for(model)
         self.steps_per_call = replication.per_call_steps(self.steps_per_execution,
                                                          self.replicas, kind)
         self.batches_per_call = self.steps_per_call * self.replicas
@@ -276,7 +300,8 @@ class IPUStepFunction:
         if self.kind == "predict":
             groups = self._group([self._strip(b) for b in data])
         elif (_is_tf_iterator(data) and self.kind != "predict" and self.steps_per_execution > 1
-                and infeed_device_pull(self.model) and self.replicas == 1):
+                and infeed_device_pull(self.model) and self.replicas == 1
+                and self.pipeline is None):
             return self._device_pull(data)
         elif _is_tf_iterator(data):
             if self.replicas > 1 and infeed_device_pull(self.model):
@@ -778,6 +803,8 @@ class IPUStepFunction:
                 return tf.nest.pack_sequence_as(out_spec, final)
 
         model_name = getattr(model, "name", "model")
-        shown = f"steps={n}" + (f", replicas={replicas}" if replicas > 1 else "")
-        return _compiled(device_loop, specs, f"{model_name}/{kind}_function[{shown}]", replicas)
+        shown = (f"steps={n}" + (f", replicas={replicas}" if replicas > 1 else "")
+                 + (f", stages={self.pipeline['stages']}" if self.pipeline else ""))
+        return _compiled(device_loop, specs, f"{model_name}/{kind}_function[{shown}]", replicas,
+                         model, self.pipeline)
 

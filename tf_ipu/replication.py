@@ -129,6 +129,25 @@ def per_call_steps(steps_per_execution: int, replicas: int, kind: str) -> int:
     return steps_per_execution
 
 
+def replicas_for(model: Any) -> int:
+    """Replicas of ``model``'s device programs: the IPUs attached over the IPUs one replica
+    spans (1, or a pipeline's ``ipus_per_replica``), as Graphcore derives them; ValueError
+    naming the numbers when the IPUs are not a multiple of a replica's."""
+    from tf_ipu import pipelining
+
+    ipus = model.distribute_strategy.replication_factor
+    pipeline = pipelining.plan(model, 1)
+    per = pipeline["ipus_per_replica"] if pipeline else 1
+    if ipus % per:
+        raise ValueError(
+            f"{getattr(model, 'name', 'model')}: {ipus} IPU{' is' if ipus == 1 else 's are'} "
+            f"attached, but the model's "
+            f"pipeline of {pipeline['stages']} stages on IPUs {pipeline['stage_ipus']} needs "
+            f"{per} IPUs per replica (a power of two): set IPUConfig.auto_select_ipus to a "
+            f"multiple of {per} (e.g. {per} for one replica, {2 * per} for two).")
+    return ipus // per
+
+
 def install_epoch_iterator() -> None:
     """Makes Keras's epoch iterator count steps per replica in ``fit`` and ``evaluate``
     under a replicated IPUStrategy: an epoch of B batches is B // R steps (and a given
@@ -149,7 +168,8 @@ def install_epoch_iterator() -> None:
         strategy = getattr(it, "_distribute_strategy", None)
         if not isinstance(strategy, IPUStrategy) or _predicting():
             return 1
-        return strategy.replication_factor
+        model = _current_model()
+        return replicas_for(model) if model is not None else strategy.replication_factor
 
     def divide(it: Any) -> None:
         r = it._tf_ipu_replica_count
@@ -245,32 +265,40 @@ def install_replica_seeds() -> None:
     SeedGenerator.next = next_seed
 
 
-_predict_depth = [0]
+_calls: list[tuple[str, Any]] = []  # (kind, model) of the fit/evaluate/predict running
 
 
 def _predicting() -> bool:
-    return _predict_depth[0] > 0
+    return bool(_calls) and _calls[-1][0] == "predict"
+
+
+def _current_model() -> Any:
+    return _calls[-1][1] if _calls else None
 
 
 def install_predict_marker() -> None:
-    """Marks the span of ``model.predict`` (its epoch iterator keeps Keras's counting)."""
+    """Marks the span of ``model.fit``, ``evaluate`` and ``predict`` (the epoch iterator
+    counts per replica of that model; predict's keeps Keras's counting)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    original = TensorFlowTrainer.predict
-    if getattr(original, "_tf_ipu_marked", False):
-        return
+    for kind in ("fit", "evaluate", "predict"):
+        original = getattr(TensorFlowTrainer, kind)
+        if getattr(original, "_tf_ipu_marked", False):
+            continue
 
-    def predict(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _predict_depth[0] += 1
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _predict_depth[0] -= 1
+        def marked(self: Any, *args: Any, _kind: str = kind, _orig: Any = original,
+                   **kwargs: Any) -> Any:
+            _calls.append((_kind, self))
+            try:
+                return _orig(self, *args, **kwargs)
+            finally:
+                _calls.pop()
 
-    predict.__doc__ = original.__doc__
-    predict.__wrapped__ = original  # type: ignore[attr-defined]
-    predict._tf_ipu_marked = True  # type: ignore[attr-defined]
-    TensorFlowTrainer.predict = predict
+        marked.__doc__ = original.__doc__
+        marked.__name__ = kind
+        marked.__wrapped__ = original  # type: ignore[attr-defined]
+        marked._tf_ipu_marked = True  # type: ignore[attr-defined]
+        setattr(TensorFlowTrainer, kind, marked)
 
 
 __all__ = ["ReplicatedMetricReductionMethod", "install_epoch_iterator", "install_logs",

@@ -79,6 +79,8 @@ class ProgramEntry:
     # Replicas that run it at once (the signature's "replicas"): its outputs then have a
     # leading dimension of replicas.
     replicas: int = 1
+    # A pipelined program's stages (the signature's "pipeline", tf_ipu.pipelining.plan).
+    pipeline: dict[str, Any] | None = None
 
 
 @dataclass
@@ -427,7 +429,7 @@ class DeviceRuntime:
     def register_program(self, program: bytes, signature: str) -> int:
         """Registers a program by content; returns its id (the same for the same bytes)."""
         sig = json.loads(signature)
-        replicas = int(sig.get("replicas", 1))
+        replicas = int(sig.get("replicas", 1))  # a pipeline's stages are in the program
         # The same module run by several replicas is another executable.
         digest = hashlib.sha256(program + (f"|replicas={replicas}".encode() if replicas > 1
                                            else b"")).hexdigest()
@@ -445,6 +447,7 @@ class DeviceRuntime:
                 },
                 op_outputs=[int(k) for k in sig["op_outputs"]] if "op_outputs" in sig else None,
                 replicas=replicas,
+                pipeline=sig.get("pipeline"),
             )
             self._programs.append(entry)
             pid = len(self._programs) - 1
@@ -472,6 +475,7 @@ class DeviceRuntime:
                 allow_out_of_memory=cfg.debug.allow_out_of_memory if cfg else False,
                 **(cfg.compile_numerics() if cfg else {}),
                 replicas=entry.replicas,
+                pipeline=entry.pipeline,
             )
         entry.executable_id = compiled.executable_id
         entry.aliases = dict(compiled.aliases)

@@ -64,6 +64,17 @@ class _IPUExtended(OneDeviceExtended):
 
         return make_ipu_variable(super()._create_variable(next_creator, **kwargs))
 
+    def _update(self, var: Any, fn: Callable, args: Any, kwargs: Any, group: Any) -> Any:
+        """A variable's update; in a pipelined program being lowered, in the stage of the
+        layer that owns the variable (tf_ipu.pipelining)."""
+        from tf_ipu import pipelining
+
+        scope = pipelining.variable_scope(var) if _lowering_depth() > 0 else None
+        if scope is None:
+            return super()._update(var, fn, args, kwargs, group)
+        with scope:
+            return super()._update(var, fn, args, kwargs, group)
+
     def _reduce_to(self, reduce_op: Any, value: Any, destinations: Any, options: Any) -> Any:
         return self._batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
 

@@ -7,7 +7,9 @@
       ipu.ipu_infeed_queue / ipu_outfeed_queue  -> infeeds and outfeeds (tf_ipu.feeds)
       ipu.loops.repeat / while_loop             -> device loops over an infeed (loops.py)
       ipu.serving.export_keras / export_single_step -> SavedModels for serving (tf_ipu.serving)
+      ipu.ops.pipelining_ops.PipelineSchedule   -> pipelining's names (tf_ipu.pipelining)
     import keras; keras.ipu                     -> keras_ipu/ (also via ``from tensorflow import keras``)
+    ipu.keras.PipelineStage (SDK 2's spelling)   -> keras_ipu/ too
     ipu_tensorflow_addons.keras.layers          -> addons/ (Graphcore's IPU Keras layers)
 
 ``install()`` registers the package as ``tensorflow.python.ipu`` (and its modules under their
@@ -30,14 +32,20 @@ from tf_ipu.graphcore import (
     ipu_strategy,
     keras_ipu,
     loops,
+    ops,
     serving,
     utils,
 )
 
+#: ``ipu.keras`` (SDK 2's spelling, still in Graphcore's tutorials: ``ipu.keras.PipelineStage``)
+#: is ``keras.ipu``.
+keras = keras_ipu
+
 #: Graphcore's module names under ``tensorflow.python.ipu``, and ours.
 MODULES = {"config": config, "ipu_strategy": ipu_strategy, "utils": utils,
            "ipu_infeed_queue": ipu_infeed_queue, "ipu_outfeed_queue": ipu_outfeed_queue,
-           "loops": loops, "serving": serving}
+           "loops": loops, "serving": serving, "ops": ops,
+           "ops.pipelining_ops": ops.pipelining_ops, "keras": keras_ipu}
 PACKAGE = "tensorflow.python.ipu"
 
 
@@ -79,4 +87,5 @@ def _install_keras_ipu() -> None:
 
 
 __all__ = ["MODULES", "PACKAGE", "addons", "config", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
-           "ipu_strategy", "keras_ipu", "loops", "serving", "utils"]
+           "keras",
+           "ipu_strategy", "keras_ipu", "loops", "ops", "serving", "utils"]

@@ -152,6 +152,7 @@ def _flatten_results(out: Any) -> list[tf.Tensor]:
 
 def lower_function(
     fn: Callable[..., Any], arg_specs: Sequence[tf.TensorSpec], name: str, replicas: int = 1,
+    pipeline: dict[str, Any] | None = None,
 ) -> LoweredProgram:
     """Traces ``fn`` for ``arg_specs`` and lowers it to a device program.
 
@@ -164,6 +165,9 @@ def lower_function(
             program: every replica gets the same arguments and its own variables). Each of
             the op's outputs then has a leading dimension of replicas, and ``call_lowered``
             returns the results so.
+        pipeline: a pipelined program's stages (``tf_ipu.pipelining.plan``); its ops were
+            traced in their stages' name scopes, and each instruction gets its stage
+            (``lowering/stages.py``).
 
     Returns:
         The ``LoweredProgram``.
@@ -194,6 +198,10 @@ def lower_function(
         raise refused from None
     module = hlo_module_to_ir(hlo)
     module.name = name
+    if pipeline:
+        from tf_ipu.lowering.stages import assign_stages
+
+        assign_stages(module, int(pipeline["stages"]))
 
     from tf_ipu.variables import IPUVariable
 
@@ -286,6 +294,9 @@ def lower_function(
                            "num_results": num_results}
     if replicas > 1:
         sig["replicas"] = int(replicas)
+    if pipeline:
+        sig["pipeline"] = {k: pipeline[k] for k in ("stages", "stage_ipus", "ipus_per_replica",
+                                                    "schedule", "micro_batches", "recomputation")}
     if resident_outputs:
         sig["op_outputs"] = op_outputs
     if dynamic_outputs:

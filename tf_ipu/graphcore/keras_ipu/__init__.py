@@ -21,7 +21,15 @@ from tf_ipu.graphcore.keras_ipu.optimizers import (
     ALSOptimizer,
     ALSOptimizerGradientAccumulationWrapper,
 )
+from tf_ipu.pipelining import (
+    FunctionalLayerPipelineStageAssignment,
+    ModelLayerPipelineStageAssignment,
+    PipelineStage,
+    SequentialLayerPipelineStageAssignment,
+)
 from tf_ipu.replication import ReplicatedMetricReductionMethod
 
 __all__ = ["ALSOptimizer", "ALSOptimizerGradientAccumulationWrapper",
-           "ReplicatedMetricReductionMethod", "layers", "optimizers"]
+           "FunctionalLayerPipelineStageAssignment", "ModelLayerPipelineStageAssignment",
+           "PipelineStage", "ReplicatedMetricReductionMethod",
+           "SequentialLayerPipelineStageAssignment", "layers", "optimizers"]

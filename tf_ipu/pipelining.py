@@ -1,0 +1,574 @@
+"""Pipelining: a model split into stages, each on an IPU of its replica (Graphcore's Keras API).
+
+    with keras.ipu.PipelineStage(0): x = Dense(8)(inputs)      stage of a layer or of a call
+    model.set_pipeline_stage_assignment([0, 0, 1, 1])           ... or per layer / per call
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=16,
+                                 device_mapping=[0, 1], pipeline_schedule=Interleaved)
+      fit ──> one device program per replica, every instruction tagged with its stage:
+              forward ops in the stage's name scope ("tf_ipu_stage_<s>"), their gradients
+              under it too (TF names them after the forward op), a variable's update in the
+              stage of the layer that owns it  ──> IR attribute ``pipeline_stage``
+      device server: runs it (a pipeline computes what its micro-batches run one after the
+              other with gradient accumulation compute); the tile model sizes each stage on
+              its IPU with the schedule (docs/tile_model.md)
+
+A replica spans ``ipus_per_replica`` IPUs: the highest IPU of ``device_mapping`` (stage i on
+IPU i by default) plus one, rounded up to a power of two as Graphcore rounds; replicas =
+attached IPUs // ipus_per_replica. Pipelined training accumulates gradients over
+``gradient_accumulation_steps_per_replica`` micro-batches per weight update (required, as on
+Graphcore), reduced as ``gradient_accumulation_reduction_method`` says.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from tf_ipu import notices
+
+#: The name scope that tags a stage's ops; the IR takes the innermost one of an op's name.
+STAGE_SCOPE = "tf_ipu_stage_"
+_ASSIGNMENT_ATTR = "_tf_ipu_stage_assignment"   # model -> {(layer id, call index): stage}
+_OPTIONS_ATTR = "_tf_ipu_pipelining_options"
+_LAYER_STAGE_ATTR = "_tf_ipu_pipeline_stage"      # a layer built in a PipelineStage scope
+_NODE_STAGES_ATTR = "_tf_ipu_node_stages"         # a layer's calls made in a scope: {node: stage}
+
+_state = threading.local()
+
+
+class PipelineSchedule(enum.Enum):
+    """The order in which a pipeline runs its stages' forward and backward passes
+    (Graphcore's ``ipu.ops.pipelining_ops.PipelineSchedule``): Grouped keeps more
+    activations live and is usually faster; Interleaved runs each backward pass as soon as
+    it can (less memory); Sequential runs one micro-batch through all stages at a time."""
+
+    Grouped = 0
+    Interleaved = 1
+    Sequential = 2
+
+
+class RecomputationMode(enum.Enum):
+    """How the backward pass recomputes forward activations when
+    ``IPUConfig.allow_recompute`` is set (Graphcore's names); here each recomputes every
+    stage's forward activations from the stage's input (the tile model charges it)."""
+
+    Auto = 0
+    RecomputeThenBackpropagate = 1
+    RecomputeAndBackpropagateInterleaved = 2
+
+
+class PipelineStage:
+    """Assigns the Keras layers created, and the layer calls made, in its scope to pipeline
+    stage ``stage`` (a call's stage overrides its layer's). Not nested; only under
+    ``IPUStrategy``. Inside a subclassed model's ``call`` it tags the ops it traces.
+
+    Example:
+        >>> with strategy.scope():                                     # doctest: +SKIP
+        ...     with keras.ipu.PipelineStage(0):
+        ...         x = keras.layers.Dense(4)(inputs)
+    """
+
+    def __init__(self, stage: int) -> None:
+        self._stage = stage
+        self._scope: Any = None
+
+    def __enter__(self) -> PipelineStage:
+        from tf_ipu.strategy import IPUStrategy
+
+        if not isinstance(self._stage, int) or isinstance(self._stage, bool) or self._stage < 0:
+            raise ValueError(f"PipelineStage: {self._stage!r} is not a valid pipeline stage "
+                             f"(an int >= 0).")
+        if not isinstance(tf.distribute.get_strategy(), IPUStrategy):
+            raise RuntimeError("PipelineStage may only be used from within an IPUStrategy "
+                               "scope (with strategy.scope(): ...).")
+        if getattr(_state, "stage", None) is not None:
+            raise RuntimeError(f"Pipeline stages must not be nested: PipelineStage("
+                               f"{self._stage}) inside PipelineStage({_state.stage}).")
+        _state.stage = self._stage
+        if tf.inside_function():  # a subclassed model's call being traced: tag its ops
+            self._scope = tf.name_scope(f"{STAGE_SCOPE}{self._stage}")
+            self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._scope is not None:
+            self._scope.__exit__(*exc)
+            self._scope = None
+        _state.stage = None
+
+
+def current_stage() -> int | None:
+    """The stage of the PipelineStage scope open on this thread, or None."""
+    return getattr(_state, "stage", None)
+
+
+# -- assignments (Graphcore's classes) ---------------------------------------------------------
+
+
+class SequentialLayerPipelineStageAssignment:
+    """The pipeline stage of one layer of a ``Sequential`` model (None: unassigned)."""
+
+    def __init__(self, layer: Any, pipeline_stage: int | None = None) -> None:
+        self._layer = layer
+        self.pipeline_stage = pipeline_stage
+
+    @property
+    def layer(self) -> Any:
+        return self._layer
+
+    @property
+    def is_nested_model(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"Layer: {self.layer.name} is assigned to pipeline stage: {self.pipeline_stage}"
+
+
+class ModelLayerPipelineStageAssignment:
+    """The pipeline stage of one call (``node_index``: the layer's n-th call in the model) of a
+    layer of a functional or subclassed model (None: unassigned)."""
+
+    def __init__(self, layer: Any, node_index: int, pipeline_stage: int | None = None) -> None:
+        self._layer = layer
+        self._node_index = node_index
+        self.pipeline_stage = pipeline_stage
+
+    @property
+    def layer(self) -> Any:
+        return self._layer
+
+    @property
+    def node_index(self) -> int:
+        return self._node_index
+
+    @property
+    def inbound_layers(self) -> list[Any]:
+        """The layers whose outputs this call takes (to tell a layer's calls apart)."""
+        nodes = getattr(self._layer, "_inbound_nodes", [])
+        if self._node_index >= len(nodes):
+            return []
+        return [n.operation for n in getattr(nodes[self._node_index], "parent_nodes", [])]
+
+    @property
+    def is_nested_model(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return (f"Layer: {self.layer.name} (node index {self.node_index}) is assigned to "
+                f"pipeline stage: {self.pipeline_stage}")
+
+
+class FunctionalLayerPipelineStageAssignment(ModelLayerPipelineStageAssignment):
+    """A ``ModelLayerPipelineStageAssignment`` of a functional model."""
+
+
+def _is_sequential(model: Any) -> bool:
+    import keras
+
+    return isinstance(model, keras.Sequential)
+
+
+def _layer_calls(model: Any) -> list[tuple[Any, int]]:
+    """(layer, node index) of every layer call of a functional model, in the order the model
+    runs them (its nodes by depth, inputs first), without its inputs."""
+    by_depth = getattr(model, "_nodes_by_depth", None)
+    if not by_depth:
+        return [(layer, 0) for layer in model.layers]
+    calls = []
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
+            layer = getattr(node, "operation", None)
+            if layer is None or getattr(node, "is_input", False) or layer is model:
+                continue
+            index = next((k for k, n in enumerate(getattr(layer, "_inbound_nodes", []))
+                          if n is node), 0)
+            calls.append((layer, index))
+    return calls
+
+
+def get_pipeline_stage_assignment(self: Any) -> list[Any]:
+    """Graphcore's ``model.get_pipeline_stage_assignment()``: one assignment per layer
+    (Sequential) or per layer call (functional, in the order the model runs them), with the
+    stage currently assigned (from ``set_pipeline_stage_assignment``, else a PipelineStage
+    scope around the call, else around the layer's construction, else None)."""
+    assigned = getattr(self, _ASSIGNMENT_ATTR, {})
+    if _is_sequential(self):
+        return [SequentialLayerPipelineStageAssignment(
+            layer, assigned.get((id(layer), 0), _scoped_stage(layer, 0))) for layer in self.layers]
+    return [FunctionalLayerPipelineStageAssignment(
+        layer, index, assigned.get((id(layer), index), _scoped_stage(layer, index)))
+        for layer, index in _layer_calls(self)]
+
+
+def _scoped_stage(layer: Any, node_index: int) -> int | None:
+    stages = getattr(layer, _NODE_STAGES_ATTR, {})
+    if node_index in stages:
+        return stages[node_index]
+    return getattr(layer, _LAYER_STAGE_ATTR, None)
+
+
+def set_pipeline_stage_assignment(self: Any, pipeline_stage_assignment: Sequence[Any]) -> None:
+    """Graphcore's ``model.set_pipeline_stage_assignment``: a stage for every layer (a list
+    of ints, or the assignments ``get_pipeline_stage_assignment`` returns, edited). Every
+    layer (call) must have a stage; stages start at 0 and go up by at most one between
+    consecutive layers of a Sequential model."""
+    given = list(pipeline_stage_assignment)
+    current = get_pipeline_stage_assignment(self)
+    if len(given) != len(current):
+        raise ValueError(
+            f"{self.name}.set_pipeline_stage_assignment: {len(given)} stages given for "
+            f"{len(current)} {'layers' if _is_sequential(self) else 'layer calls'} (one each: "
+            f"{', '.join(str(getattr(a, 'layer', a).name) for a in current)}).")
+    table: dict[tuple[int, int], int] = {}
+    for k, (item, slot) in enumerate(zip(given, current, strict=True)):
+        stage = item.pipeline_stage if hasattr(item, "pipeline_stage") else item
+        if hasattr(item, "layer") and item.layer is not slot.layer:
+            raise ValueError(f"{self.name}.set_pipeline_stage_assignment: assignment {k} is "
+                             f"for layer {item.layer.name!r}, the model's layer {k} is "
+                             f"{slot.layer.name!r}; pass them in the order "
+                             f"get_pipeline_stage_assignment() returns.")
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+            raise ValueError(f"{self.name}.set_pipeline_stage_assignment: layer "
+                             f"{slot.layer.name!r} has stage {stage!r}; every layer needs a "
+                             f"stage, an int >= 0.")
+        table[(id(slot.layer), getattr(slot, "node_index", 0))] = stage
+    object.__setattr__(self, _ASSIGNMENT_ATTR, table)
+
+
+def reset_pipeline_stage_assignment(self: Any) -> None:
+    """Graphcore's ``model.reset_pipeline_stage_assignment``: the model is not pipelined."""
+    object.__setattr__(self, _ASSIGNMENT_ATTR, {})
+    for layer in self.layers:
+        for attr in (_LAYER_STAGE_ATTR, _NODE_STAGES_ATTR):
+            if hasattr(layer, attr):
+                delattr(layer, attr)
+
+
+def print_pipeline_stage_assignment_summary(self: Any, line_length: int | None = None,
+                                            print_fn: Any = None) -> None:
+    """Graphcore's ``model.print_pipeline_stage_assignment_summary``: each layer (call) and
+    its stage, and the IPU of each stage."""
+    print_fn = print_fn or print
+    width = line_length or 80
+    options = pipelining_options(self)
+    rows = [("Layer", "Stage", "IPU")]
+    mapping = options.get("device_mapping")
+    for a in get_pipeline_stage_assignment(self):
+        stage = a.pipeline_stage
+        ipu = "" if stage is None else str(mapping[stage] if mapping and stage < len(mapping)
+                                           else stage)
+        name = a.layer.name + (f" (call {a.node_index})" if getattr(a, "node_index", 0) else "")
+        rows.append((name, "-" if stage is None else str(stage), ipu))
+    col = max(len(r[0]) for r in rows) + 2
+    print_fn(f"Model: {self.name}: pipeline stage assignment")
+    print_fn("=" * width)
+    for k, (name, stage, ipu) in enumerate(rows):
+        print_fn(f"{name:<{col}}{stage:<8}{ipu}")
+        if k == 0:
+            print_fn("-" * width)
+    print_fn("=" * width)
+
+
+def stages_of(model: Any) -> dict[tuple[int, int], int]:
+    """The model's stage of every layer call: {(id(layer), call index): stage}; empty when
+    the model is not pipelined (no layer has a stage)."""
+    table = {}
+    for a in get_pipeline_stage_assignment(model):
+        if a.pipeline_stage is not None:
+            table[(id(a.layer), getattr(a, "node_index", 0))] = a.pipeline_stage
+    return table
+
+
+# -- options -------------------------------------------------------------------------------
+
+_KNOWN_KWARGS = {"pipeline_schedule", "recomputation_mode", "offload_weight_update_variables",
+                 "replicated_optimizer_state_sharding", "forward_propagation_stages_poplar_options",
+                 "backward_propagation_stages_poplar_options",
+                 "weight_update_poplar_options", "offload_activations",
+                 "offload_gradient_accumulation_buffers", "replicated_weight_sharding",
+                 "offload_weights", "reduction_method", "name"}
+_EXPLICIT = {"gradient_accumulation_count": "gradient_accumulation_steps_per_replica",
+             "device_mapping": "device_mapping", "accumulate_outfeed": "accumulate_outfeed"}
+_AUTOMATIC = ("computational_stages", "repeat_count", "inputs", "infeed_queue", "outfeed_queue",
+              "optimizer_function")
+
+
+def set_pipelining_options(self: Any, gradient_accumulation_steps_per_replica: int | None = None,
+                           device_mapping: Sequence[int] | None = None,
+                           accumulate_outfeed: bool | None = None,
+                           gradient_accumulation_reduction_method: Any = "sum",
+                           **pipelining_kwargs: Any) -> None:
+    """Graphcore's ``model.set_pipelining_options``.
+
+    Args:
+        gradient_accumulation_steps_per_replica: micro-batches per weight update (required
+            to train a pipelined model); ``steps_per_execution`` must be a multiple of it.
+        device_mapping: the IPU (within a replica) of each stage; default: stage i on IPU i.
+            Several stages may share an IPU.
+        accumulate_outfeed: accepted (results come back with each call here).
+        gradient_accumulation_reduction_method: 'sum' (Graphcore's default), 'mean',
+            'running_mean'.
+        **pipelining_kwargs: ``pipeline_schedule`` (``PipelineSchedule``, default Grouped),
+            ``recomputation_mode`` (``RecomputationMode``; recomputation needs
+            ``IPUConfig.allow_recompute``), ``offload_weight_update_variables``,
+            ``replicated_optimizer_state_sharding`` and Graphcore's other pipeline op
+            options, which size the program (the tile model) and do not change results.
+    """
+    from tf_ipu import accumulation
+
+    steps = gradient_accumulation_steps_per_replica
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"set_pipelining_options: gradient_accumulation_steps_per_replica must "
+                         f"be a positive int. Received: {steps!r}")
+    if device_mapping is not None:
+        if not isinstance(device_mapping, (list, tuple)) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in device_mapping):
+            raise ValueError(f"set_pipelining_options: device_mapping must be a list of IPU "
+                             f"indices (ints >= 0), one per stage. Received: {device_mapping!r}")
+    for explicit, alternative in _EXPLICIT.items():
+        if explicit in pipelining_kwargs:
+            raise ValueError(f"set_pipelining_options: found `{explicit}` in pipelining_kwargs; "
+                             f"set the `{alternative}` argument instead.")
+    for automatic in _AUTOMATIC:
+        if automatic in pipelining_kwargs:
+            raise ValueError(f"set_pipelining_options: `{automatic}` is set by Keras; do not "
+                             f"pass it.")
+    schedule = pipelining_kwargs.pop("pipeline_schedule", PipelineSchedule.Grouped)
+    if not isinstance(schedule, PipelineSchedule):
+        names = {s.name.lower(): s for s in PipelineSchedule}
+        if isinstance(schedule, str) and schedule.lower() in names:
+            schedule = names[schedule.lower()]
+        else:
+            raise ValueError(f"set_pipelining_options: pipeline_schedule must be a "
+                             f"PipelineSchedule (Grouped, Interleaved, Sequential). Received: "
+                             f"{schedule!r}")
+    recomputation = pipelining_kwargs.pop("recomputation_mode", RecomputationMode.Auto)
+    if not isinstance(recomputation, RecomputationMode):
+        raise ValueError(f"set_pipelining_options: recomputation_mode must be a "
+                         f"RecomputationMode. Received: {recomputation!r}")
+    for name, value in pipelining_kwargs.items():
+        if name not in _KNOWN_KWARGS:
+            raise ValueError(f"set_pipelining_options: unknown pipelining option {name!r}.")
+        notices.once(f"set_pipelining_options({name})",
+                     f"{name}={value!r} is accepted and does not change what the program "
+                     f"computes; the estimate does not model it yet.")
+    if accumulate_outfeed:
+        notices.once("set_pipelining_options(accumulate_outfeed)",
+                     "accumulate_outfeed=True has no effect here: each device call's results "
+                     "come back with its reply.")
+    options = {
+        "gradient_accumulation_steps_per_replica": steps,
+        "device_mapping": list(device_mapping) if device_mapping is not None else None,
+        "gradient_accumulation_reduction_method": accumulation._method_name(
+            gradient_accumulation_reduction_method),
+        "pipeline_schedule": schedule,
+        "recomputation_mode": recomputation,
+        "kwargs": dict(pipelining_kwargs),
+    }
+    object.__setattr__(self, _OPTIONS_ATTR, options)
+    if steps is not None:
+        accumulation.set_gradient_accumulation_options(
+            self, gradient_accumulation_steps_per_replica=steps,
+            gradient_accumulation_reduction_method=gradient_accumulation_reduction_method)
+
+
+def pipelining_options(model: Any) -> dict[str, Any]:
+    return getattr(model, _OPTIONS_ATTR, {})
+
+
+def plan(model: Any, steps_per_execution: int) -> dict[str, Any] | None:
+    """The pipeline of ``model`` (None: not pipelined), checked: stages, their IPUs, the IPUs a
+    replica spans, the schedule, micro-batches per update. Raises ValueError naming the
+    numbers and the fix."""
+    stages = stages_of(model)
+    if not stages:
+        return None
+    count = max(stages.values()) + 1
+    missing = sorted(set(range(count)) - set(stages.values()))
+    name = getattr(model, "name", "model")
+    if missing:
+        raise ValueError(f"{name}: pipeline stages {missing} have no layer (stages are "
+                         f"0 .. {count - 1}); renumber the stages without gaps.")
+    unassigned = [a.layer.name for a in get_pipeline_stage_assignment(model)
+                  if a.pipeline_stage is None]
+    if unassigned:
+        raise ValueError(f"{name}: layers {unassigned} have no pipeline stage; a pipelined "
+                         f"model needs one for every layer (set_pipeline_stage_assignment, or "
+                         f"a PipelineStage scope around each).")
+    options = pipelining_options(model)
+    mapping = options.get("device_mapping") or list(range(count))
+    if len(mapping) != count:
+        raise ValueError(f"{name}: device_mapping {mapping} names {len(mapping)} IPUs for "
+                         f"{count} pipeline stages: give one IPU per stage, e.g. "
+                         f"device_mapping={list(range(count))}.")
+    # A layer's weights live on one IPU: all its calls' stages must map there.
+    by_layer: dict[int, set[int]] = {}
+    layers = {id(a.layer): a.layer for a in get_pipeline_stage_assignment(model)}
+    for (layer_id, _), stage in stages.items():
+        by_layer.setdefault(layer_id, set()).add(stage)
+    for layer_id, layer_stages in by_layer.items():
+        ipus = {mapping[s] for s in layer_stages}
+        if len(ipus) > 1 and layers[layer_id].weights:
+            raise ValueError(
+                f"{name}: layer {layers[layer_id].name!r} is called in stages "
+                f"{sorted(layer_stages)}, mapped to IPUs {sorted(ipus)}; its weights live on "
+                f"one IPU: map those stages to one IPU (device_mapping) or call it in one stage.")
+    accumulation_steps = options.get("gradient_accumulation_steps_per_replica")
+    ipus = max(mapping) + 1
+    return {
+        "stages": count,
+        "stage_ipus": list(mapping),
+        "ipus_per_replica": 2 ** int(math.ceil(math.log2(ipus))) if ipus > 1 else 1,
+        "schedule": options.get("pipeline_schedule", PipelineSchedule.Grouped).name.lower(),
+        "micro_batches": int(accumulation_steps or 1),
+        "accumulation_set": accumulation_steps is not None,
+        "recomputation_mode": options.get("recomputation_mode", RecomputationMode.Auto).name,
+        "steps_per_execution": steps_per_execution,
+    }
+
+
+def check_training(model: Any, pipeline: dict[str, Any]) -> None:
+    """A pipelined model trains with gradient accumulation (Graphcore's rule), over a
+    multiple of its micro-batches per device call."""
+    name = getattr(model, "name", "model")
+    if not pipeline["accumulation_set"]:
+        raise ValueError(
+            f"{name} is pipelined ({pipeline['stages']} stages), and pipelined models train "
+            f"with gradient accumulation: call model.set_pipelining_options("
+            f"gradient_accumulation_steps_per_replica=N), N micro-batches per weight update "
+            f"(e.g. N = {2 * pipeline['stages']}, and steps_per_execution a multiple of N).")
+
+
+# -- tagging ops while a program is lowered ------------------------------------------------------
+
+
+class _Tagging:
+    """What the lowering of one pipelined model's program needs on this thread."""
+
+    def __init__(self, model: Any, stages: dict[tuple[int, int], int]) -> None:
+        self.model = model
+        self.stages = stages
+        self.calls: dict[int, int] = {}  # layer id -> calls so far in this forward pass
+        self.var_stage: dict[int, int] = {}
+        for layer in _all_layers(model):
+            stage = next((s for (lid, _), s in stages.items() if lid == id(layer)), None)
+            if stage is None:
+                continue
+            for w in getattr(layer, "weights", []):
+                self.var_stage[id(getattr(w, "value", w))] = stage
+
+
+def _all_layers(model: Any) -> Iterator[Any]:
+    for layer in getattr(model, "layers", []):
+        yield layer
+        if hasattr(layer, "layers") and layer is not model:
+            yield from _all_layers(layer)
+
+
+def tagging(model: Any, stages: dict[tuple[int, int], int]) -> Any:
+    """A block in which the traced program of ``model`` tags its ops with their stages."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def block() -> Iterator[None]:
+        previous = getattr(_state, "tagging", None)
+        _state.tagging = _Tagging(model, stages)
+        try:
+            yield
+        finally:
+            _state.tagging = previous
+
+    return block()
+
+
+def _layer_call_scope(layer: Any) -> Any:
+    """The name scope of this call of ``layer`` while a pipelined program is traced, or
+    None. The model's own call restarts the count of each layer's calls."""
+    tag = getattr(_state, "tagging", None)
+    if tag is None:
+        return None
+    if layer is tag.model:
+        tag.calls.clear()
+        return None
+    index = tag.calls.get(id(layer), 0)
+    tag.calls[id(layer)] = index + 1
+    stage = tag.stages.get((id(layer), index), tag.stages.get((id(layer), 0)))
+    if stage is None:
+        return None
+    return tf.name_scope(f"{STAGE_SCOPE}{stage}")
+
+
+def variable_scope(var: Any) -> Any:
+    """The name scope of an update of ``var`` (a tf.Variable) while a pipelined program is
+    traced: the stage of the layer that owns it (an optimizer's accumulator, that of its
+    variable), or None."""
+    tag = getattr(_state, "tagging", None)
+    if tag is None:
+        return None
+    stage = tag.var_stage.get(id(var))
+    if stage is None:
+        optimizer = getattr(tag.model, "optimizer", None)
+        accumulators = getattr(optimizer, "_accumulated_gradients", None) or []
+        trainable = getattr(optimizer, "_trainable_variables", None) or []
+        for acc, v in zip(accumulators, trainable, strict=False):
+            if id(getattr(acc, "value", acc)) == id(var):
+                stage = tag.var_stage.get(id(getattr(v, "value", v)))
+                break
+    if stage is None:
+        return None
+    return tf.name_scope(f"{STAGE_SCOPE}{stage}")
+
+
+def install() -> None:
+    """Hooks Keras's layers: construction and symbolic calls in a PipelineStage scope record
+    their stage; calls while a pipelined program is traced open their stage's name scope."""
+    from keras.src.layers.layer import Layer
+
+    if getattr(Layer, "_tf_ipu_pipelining", False):
+        return
+    original_new = Layer.__new__
+    original_call = Layer.__call__
+
+    # __new__, not __init__: Keras reads each layer class's __init__ signature (its config).
+    def new(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        obj = original_new(cls, *args, **kwargs)
+        stage = current_stage()
+        if stage is not None:
+            object.__setattr__(obj, _LAYER_STAGE_ATTR, stage)
+        return obj
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stage = current_stage()
+        scope = _layer_call_scope(self)
+        before = len(getattr(self, "_inbound_nodes", []) or [])
+        if scope is None:
+            out = original_call(self, *args, **kwargs)
+        else:
+            with scope:
+                out = original_call(self, *args, **kwargs)
+        if stage is not None:
+            after = len(getattr(self, "_inbound_nodes", []) or [])
+            if after > before:  # a symbolic call made a node: its stage
+                stages = dict(getattr(self, _NODE_STAGES_ATTR, {}))
+                stages[after - 1] = stage
+                object.__setattr__(self, _NODE_STAGES_ATTR, stages)
+        return out
+
+    call.__wrapped__ = original_call  # type: ignore[attr-defined]
+    Layer.__new__ = staticmethod(new)
+    Layer.__call__ = call
+    Layer._tf_ipu_pipelining = True
+
+
+__all__ = ["FunctionalLayerPipelineStageAssignment", "ModelLayerPipelineStageAssignment",
+           "PipelineSchedule", "PipelineStage", "RecomputationMode", "STAGE_SCOPE",
+           "SequentialLayerPipelineStageAssignment", "check_training", "current_stage",
+           "get_pipeline_stage_assignment", "install", "pipelining_options", "plan",
+           "print_pipeline_stage_assignment_summary", "reset_pipeline_stage_assignment",
+           "set_pipeline_stage_assignment", "set_pipelining_options", "stages_of", "tagging",
+           "variable_scope"]
