@@ -911,6 +911,11 @@ def test_layer_of() -> None:
     # Keras 3 in a traced tf.function: every scope uniquified once.
     assert layer_of("sequential_1/dense_1/MatMul") == "dense"
     assert layer_of("gradient_tape/functional_1/conv2d_3_1/Conv2D") == "conv2d_3 (backward)"
+    # The backward pass of a step of the device loop; a pipeline stage's scope.
+    assert layer_of("gradient_tape/tf_ipu_device_loop/bert_1/attention_1/MatMul") == \
+        "attention (backward)"
+    assert layer_of("tf_ipu_device_loop/sequential_2_1/tf_ipu_stage_0_1/dense_7_1/MatMul") == \
+        "dense_7"
 
 
 def test_converter_refuses_unknown_hlo_fields() -> None:

@@ -264,3 +264,40 @@ def test_bad_pipelines_name_the_numbers_and_the_fix(ipu_system):
         with pytest.raises(ValueError, match=rf"layer '{shared.name}' is called in stages \[0, 1\], "
                                              r"mapped to IPUs \[0, 1\]"):
             two.fit(X, Y, batch_size=4, epochs=1, verbose=0)
+
+
+def test_suggest_pipeline_balances_estimated_cycles_within_memory(ipu_system):
+    """tf_ipu.suggest_pipeline: contiguous stages over the layer calls; the split is the best
+    of all contiguous splits for the slowest stage's cycles (checked by trying each), within
+    each IPU's budget; a budget no split fits names the largest layer."""
+    import itertools
+
+    import keras
+
+    import tf_ipu
+    from tf_ipu import pipeline_split
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(512, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(8)])
+    model.compile(optimizer="sgd", loss="mse")
+    suggestion = tf_ipu.suggest_pipeline(model, ipus=2, batch_size=16, ipu_version="ipu2")
+    stages = list(suggestion)
+    assert len(stages) == 5 and stages[0] == 0 and stages[-1] == 1
+    assert all(b - a in (0, 1) for a, b in itertools.pairwise(stages))
+    # The same costs, every contiguous split: none has a faster slowest stage.
+    est = tf_ipu.estimate(model, 16, training=True, ipu_version="ipu2")
+    per_layer = pipeline_split._layer_cycles(est)
+    cycles = [per_layer.get(layer.name, 0.0) for layer in model.layers]
+    best = min(max(sum(cycles[:k]), sum(cycles[k:])) for k in range(1, 5))
+    assert max(suggestion.stage_cycles) == pytest.approx(best, rel=1e-9)
+    assert suggestion.balance >= 1.0 and all(b <= suggestion.ipu_bytes for b in suggestion.stage_bytes)
+    with tf_ipu.IPUStrategy().scope():
+        again = keras.models.clone_model(model)
+    again.set_pipeline_stage_assignment(suggestion)
+    assert [a.pipeline_stage for a in again.get_pipeline_stage_assignment()] == stages
+    assert "stage 1:" in suggestion.summary()
+    with pytest.raises(ValueError, match=r"no split of .* over 2 GC200 IPUs keeps every stage "
+                                         r"within .* the largest layer, 'dense"):
+        tf_ipu.suggest_pipeline(model, ipus=2, batch_size=16, memory_fraction=1e-6)

@@ -14,6 +14,7 @@ also maps Graphcore's import paths (``from tensorflow.python import ipu``) onto 
 from tf_ipu import errors
 from tf_ipu.config import IPUConfig
 from tf_ipu.estimate import estimate, estimate_sweep  # noqa: F401  (sizing without a server)
+from tf_ipu.pipeline_split import suggest_pipeline  # noqa: F401  (a split for pipelining)
 from tf_ipu.runtime import get_runtime
 from tf_ipu.strategy import IPUStrategy
 

@@ -413,7 +413,7 @@ def plan(model: Any, steps_per_execution: int) -> dict[str, Any] | None:
         by_layer.setdefault(layer_id, set()).add(stage)
     for layer_id, layer_stages in by_layer.items():
         ipus = {mapping[s] for s in layer_stages}
-        if len(ipus) > 1 and layers[layer_id].weights:
+        if len(ipus) > 1 and getattr(layers[layer_id], "weights", None):
             raise ValueError(
                 f"{name}: layer {layers[layer_id].name!r} is called in stages "
                 f"{sorted(layer_stages)}, mapped to IPUs {sorted(ipus)}; its weights live on "

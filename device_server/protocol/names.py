@@ -3,6 +3,7 @@
     "sequential/dense_1/MatMul"                       -> "dense_1"
     "gradient_tape/sequential/conv2d/Conv2DBackpropFilter" -> "conv2d (backward)"
     "tf_ipu_device_loop/functional_1/dense_1/MatMul"  -> "dense" (a step of the device loop)
+    "sequential_1/tf_ipu_stage_1/dense_2_1/MatMul"    -> "dense_2" (a pipeline stage's scope)
 
 Shared by the emulator's errors and reports (device_server) and the host's lowering errors
 (tf_ipu), so that both sides name a layer the same way.
@@ -28,6 +29,8 @@ _NON_LAYER_SCOPES = {
 _UNIQUIFIED = re.compile(r"^(.+)_\d+$")
 # Leading scopes of control flow around the model's ops (the device loop's ``while``).
 _CONTROL_SCOPES = re.compile(rf"^(while|cond|body|{DEVICE_LOOP_NAME})(_\d+)?$")
+# The scope tf_ipu.pipelining puts around a pipeline stage's layer calls (not a layer).
+_STAGE_SCOPE = re.compile(r"^tf_ipu_stage_\d+(_\d+)?$")
 
 
 def layer_of(source_op: str) -> str:
@@ -43,12 +46,14 @@ def layer_of(source_op: str) -> str:
     gives ``sequential_1/dense_1/MatMul``; layer ``dense_1`` gives ``dense_1_1``). When the
     model scope carries such a ``_<n>`` suffix, one suffix is removed from the layer scope.
     """
-    parts = [p for p in source_op.split("/") if p]
+    parts = [p for p in source_op.split("/") if p and not _STAGE_SCOPE.match(p)]
     while len(parts) > 1 and _CONTROL_SCOPES.match(parts[0]):
         parts = parts[1:]  # ``while/sequential/dense/MatMul``: a step in the device loop
     backward = bool(parts) and parts[0] in _BACKWARD_SCOPES
     if backward:
         parts = parts[1:]
+        while len(parts) > 1 and _CONTROL_SCOPES.match(parts[0]):
+            parts = parts[1:]  # ``gradient_tape/tf_ipu_device_loop/model/layer/op``
     if len(parts) < 3 or parts[0] in _NON_LAYER_SCOPES or parts[1] in _NON_LAYER_SCOPES:
         return ""
     layer = parts[1]
