@@ -82,8 +82,9 @@ def test_keras_tutorial_calls_run_with_one_added_import(device_server):
 
 
 def test_graphcore_paths_resolve_to_this_project():
-    import tf_ipu  # the one added import, first
+    import importlib
 
+    tf_ipu = importlib.import_module("tf_ipu")  # the one added import, before Graphcore's paths
     import keras
     import tensorflow.python.ipu.ipu_strategy as gc_strategy
     from tensorflow.python import ipu
