@@ -219,10 +219,12 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
 
     @property
     def replication_factor(self) -> int:
-        """How many replicas device programs run as: one per IPU the configuration
+        """How many replicas a model on one IPU runs as: one per IPU the configuration
         attaches (``IPUConfig.auto_select_ipus``), each with the whole model and its own
-        batches. ``num_replicas_in_sync`` stays 1, as on Graphcore's IPUStrategy, so Keras
-        sums the replicas' gradients without scaling the loss (docs/porting.md)."""
+        batches (a pipelined model's replicas span several IPUs each: this over its IPUs per
+        replica, ``tf_ipu.replication.replicas_for(model)``). ``num_replicas_in_sync`` stays
+        1, as on Graphcore's IPUStrategy, so Keras sums the replicas' gradients without
+        scaling the loss (docs/porting.md)."""
         from tf_ipu import runtime
 
         self._ensure_configured()
