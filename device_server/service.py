@@ -926,9 +926,8 @@ class DeviceService:
         if needed == 1:
             return {}
         system = self.system or hardware.plain_system(self.pool.num_ipus, s.ipu_version)
-        # Each replica's first IPU (a pipeline's stages are sized on its IPUs from them).
-        return {"replicas": replicas, "system": system,
-                "ipu_ids": tuple(s.ipu_ids[:needed:ipus_per_replica])}
+        # Every IPU of every replica: replica r on ipu_ids[r * P:(r + 1) * P].
+        return {"replicas": replicas, "system": system, "ipu_ids": tuple(s.ipu_ids[:needed])}
 
     def _load_from_disk(self, key: str, module: ir_pb2.Module, target: Any,
                         options: CompileOptions) -> Any:

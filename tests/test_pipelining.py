@@ -301,3 +301,30 @@ def test_suggest_pipeline_balances_estimated_cycles_within_memory(ipu_system):
     with pytest.raises(ValueError, match=r"no split of .* over 2 GC200 IPUs keeps every stage "
                                          r"within .* the largest layer, 'dense"):
         tf_ipu.suggest_pipeline(model, ipus=2, batch_size=16, memory_fraction=1e-6)
+
+
+def test_estimate_of_a_pipelined_model_per_ipu_and_its_time_to_train(ipu_system):
+    """tf_ipu.estimate plans a pipelined model stage by stage on its IPUs (its stages from
+    set_pipeline_stage_assignment, its micro-batches from set_pipelining_options); the time
+    to train is weight updates x (micro-batches per update x a micro-batch's share)."""
+    import keras
+
+    import tf_ipu
+
+    with tf_ipu.IPUStrategy().scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(256, activation="relu"), keras.layers.Dense(8)])
+        model.compile(optimizer="sgd", loss="mse")
+        model.set_pipeline_stage_assignment([0, 1, 1])
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=8)
+    est = tf_ipu.estimate(model, 4, training=True, ipu_version="ipu2")
+    assert (est.pipeline_stages, est.micro_batches, est.ipus_per_replica) == (2, 8, 2)
+    assert len(est.ipus) == 2 and est.peak_tile_bytes == max(i["peak_tile_bytes"] for i in est.ipus)
+    assert "2-stage grouped pipeline over 2 IPUs" in est.summary()
+    t = tf_ipu.estimate(model, 4, training=True, ipu_version="ipu2", dataset_size=3200, epochs=2)
+    updates = 2 * 3200 // (4 * 8)
+    assert t.effective_batch == 32 and t.updates() == updates
+    assert t.time_to_train_s == pytest.approx(updates * 8 * t.step.cycles / t.step.clock_hz, rel=1e-9)
+    with pytest.raises(ValueError, match="is pipelined: its micro-batches per weight update"):
+        tf_ipu.estimate(model, 4, training=True, dataset_size=3200,
+                        gradient_accumulation_steps_per_replica=4)

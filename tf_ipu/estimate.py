@@ -269,7 +269,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
              tiles_per_ipu: int = 0, *, input_spec: Any = None, label_spec: Any = None,
              replicas: int = 1, system: Any = None, ipu_ids: Sequence[int] = (),
              gradient_accumulation_steps_per_replica: int = 1, dataset_size: int | None = None,
-             epochs: float | None = None, steps: int | None = None) -> Estimate | TrainingEstimate:
+             epochs: float | None = None, steps: int | None = None,
+             recomputation: bool | None = None) -> Estimate | TrainingEstimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
 
     Args:
@@ -297,6 +298,11 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             one epoch).
         epochs: passes over ``dataset_size`` items (may be fractional).
         steps: the training's length in weight updates instead (not with ``epochs``).
+        recomputation: for a pipelined model (its stages set by ``PipelineStage`` or
+            ``set_pipeline_stage_assignment``, its options by ``set_pipelining_options``):
+            whether its backward passes recompute forward activations (None:
+            ``IPUConfig.allow_recompute`` of the configured system, else off). A pipelined
+            model is planned stage by stage on its IPUs (docs/tile_model.md, "Pipelines").
 
     Returns:
         An :class:`Estimate`: ``.latency_s``, ``.throughput`` (items/s), ``.cycles``,
@@ -366,7 +372,20 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
 
             specs = x_specs
             program = f"{name}/predict[batch={batch_size}]"
-        lowered = lower_function(step, specs, program)
+        pipeline = _pipeline_of(model, recomputation)
+        if pipeline is None:
+            lowered = lower_function(step, specs, program)
+        else:  # each layer call's ops tagged with its stage, as IPUStrategy lowers them
+            from tf_ipu import pipelining
+
+            program = f"{program[:-1]}, stages={pipeline['stages']}]"
+            with pipelining.tagging(model, pipelining.stages_of(model)):
+                lowered = lower_function(step, specs, program, pipeline=pipeline)
+            many.update(pipeline_stages=pipeline["stages"], stage_ipus=tuple(pipeline["stage_ipus"]),
+                        ipus_per_replica=pipeline["ipus_per_replica"],
+                        pipeline_schedule=pipeline["schedule"],
+                        micro_batches=pipeline["micro_batches"],
+                        recomputation=pipeline["recomputation"])
     lower_s = time.perf_counter() - t0
     params = json.loads(lowered.signature)["params"]
     kinds = {n: _KIND_OF[p["kind"]] for n, p in enumerate(params)}
@@ -389,6 +408,23 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     if training and own > 1 and accumulation == 1:
         report.notes.append(f"the model's set_gradient_accumulation_options({own}) is not applied "
                             f"here: pass gradient_accumulation_steps_per_replica={own}")
+    if pipeline is not None and training and (dataset_size is not None or steps is not None):
+        if accumulation != 1:
+            raise ValueError(
+                f"tf_ipu.estimate: {name} is pipelined: its micro-batches per weight update are "
+                f"set_pipelining_options' gradient_accumulation_steps_per_replica "
+                f"({pipeline['micro_batches']}); leave gradient_accumulation_steps_per_replica "
+                f"at 1 here. Received: {accumulation}")
+        optimizer = getattr(model, "optimizer", None)
+        return TrainingEstimate(
+            step=report, gradient_accumulation_steps_per_replica=pipeline["micro_batches"],
+            accumulator_bytes=0, dataset_size=dataset_size,
+            epochs=(1 if steps is None and epochs is None else epochs), steps=steps,
+            precision=str(getattr(getattr(model, "dtype_policy", None), "name", "") or ""),
+            optimizer=type(optimizer).__name__ if optimizer is not None else "",
+            notes=[f"pipelined: {pipeline['stages']} stages, {pipeline['schedule']} schedule, "
+                   f"{pipeline['micro_batches']} micro-batches per weight update"],
+            pipelined=True)
     if not training or (accumulation == 1 and dataset_size is None and steps is None):
         return report
     t2 = time.perf_counter()
@@ -404,6 +440,21 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         epochs=(1 if dataset_size is not None and steps is None and epochs is None else epochs),
         steps=steps, precision=str(getattr(getattr(model, "dtype_policy", None), "name", "") or ""),
         optimizer=type(optimizer).__name__ if optimizer is not None else "", notes=notes)
+
+
+def _pipeline_of(model: Any, recomputation: bool | None) -> dict[str, Any] | None:
+    """A pipelined model's stages (``set_pipeline_stage_assignment`` or PipelineStage scopes,
+    and ``set_pipelining_options``), as the device would run them, or None. Recomputation:
+    as given, else ``IPUConfig.allow_recompute`` of the configured system (else off)."""
+    from tf_ipu import pipelining, runtime
+
+    pipeline = pipelining.plan(model, 1)
+    if pipeline is not None:
+        if recomputation is None:
+            cfg = runtime.get_runtime().config
+            recomputation = bool(getattr(cfg, "allow_recompute", False))
+        pipeline["recomputation"] = bool(recomputation)
+    return pipeline
 
 
 def _accumulation_options(model: Any) -> tuple[int, str]:
@@ -468,6 +519,9 @@ class TrainingEstimate:
     precision: str = ""           # the model's dtype policy ("mixed_float16", "float32")
     optimizer: str = ""
     notes: list[str] = field(default_factory=list)
+    # A pipelined step: the tile model's pipeline already spreads the weight update (and the
+    # all-reduce) over its micro-batches: ``step.cycles`` is one micro-batch's share.
+    pipelined: bool = False
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "step":  # copy/pickle probe before __init__
@@ -485,6 +539,8 @@ class TrainingEstimate:
         """Cycles of one micro-batch without the weight update: compute, host transfers,
         replica syncs (and the accumulation of its gradients)."""
         s = self.step
+        if self.pipelined:
+            return float(s.cycles)
         if not self.accumulating:
             return float(s.cycles - s.all_reduce_cycles)
         return float(s.cycles - s.all_reduce_cycles - self.update_cycles + self.accumulate_cycles)
@@ -493,6 +549,8 @@ class TrainingEstimate:
     def weight_update_cycles(self) -> float:
         """Cycles of one weight update: the gradients' all-reduce and (with N > 1) the
         optimizer's update."""
+        if self.pipelined:
+            return 0.0  # in the micro-batches' share (the pipeline's time per update)
         return float(self.step.all_reduce_cycles + (self.update_cycles if self.accumulating else 0))
 
     @property

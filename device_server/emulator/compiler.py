@@ -1634,7 +1634,11 @@ def compile_module(
     compiler, program = _build_program(module, target, options)
     sig = _Signature.of(module)
     est = estimate_module(module, compiler.live_instructions, target, replicas=options.replicas,
-                          system=options.system, ipu_ids=options.ipu_ids)
+                          system=options.system, ipu_ids=options.ipu_ids,
+                          pipeline_stages=options.pipeline_stages, stage_ipus=options.stage_ipus,
+                          ipus_per_replica=options.ipus_per_replica,
+                          pipeline_schedule=options.pipeline_schedule,
+                          micro_batches=options.micro_batches, recomputation=options.recomputation)
     if not est.fits and not options.allow_out_of_memory:
         raise OutOfMemoryError(est.oom_message())
     count = sum(len(v) for v in compiler.live.values())

@@ -9,12 +9,14 @@ module keeps the names the compiler and the server use.
     est.fits, est.oom_message(), est.to_dict(), est.save_html("report.html")
     est = estimate_module(module, live, target, replicas=4, system=hardware.get_system("bow2000"))
     est.all_reduce_cycles, est.all_reduce_share, est.ring   # replicated: per IPU + collectives
+    est = estimate_module(module, live, target, pipeline_stages=2, micro_batches=8)
+    est.ipus, est.stages, est.pipeline_timeline             # pipelined: memory per IPU, slots
 """
 
 from __future__ import annotations
 
 from device_server.emulator.tiles.loops import while_trip_count
-from device_server.emulator.tiles.planner import LiveFn
 from device_server.emulator.tiles.report import ASSUMPTIONS, Estimate, estimate_module
+from device_server.emulator.tiles.state import LiveFn
 
 __all__ = ["ASSUMPTIONS", "Estimate", "LiveFn", "estimate_module", "while_trip_count"]

@@ -2,14 +2,23 @@
 
     IR module
       -> planner.plan_module     every instruction: output tile mapping (mapping.py), supersteps
-                                 (compute / sync / exchange, cycles.py), temporaries; dot and
-                                 convolution by a search over splits (matmul.py); loops by trip
-                                 count (loops.py)
-      -> memory.profile_memory   always-live + peak not-always-live bytes on every tile
+                                 (compute / sync / exchange, cycles.py), temporaries, by the
+                                 opcode planners: elementwise.py, movement.py, products.py
+                                 (dot/convolution; the search over splits: matmul.py),
+                                 reductions.py, problems.py, control.py (loops.py: trip
+                                 counts), collectives.py; IR facts: irinfo.py; the plan's
+                                 data: plan.py; shared state and helpers: state.py
+      -> memory.profile_memory   always-live + peak not-always-live bytes on every tile, in
+                                 the memory-aware order of each computation (schedule.py:
+                                 list schedulers; liveness.py: live ranges in an order)
+      -> pipeline.py             pipelined programs: each stage on its IPU, memory per IPU,
+                                 the slots of the schedule, sends over the system's links
       -> report.Estimate         cycles, seconds, throughput, fits, top ops, timeline, JSON
       -> html.render_html        a self-contained HTML page (inline SVG)
     replicated programs: replication.py (ring all-reduce over the system's IPU-Links, the
-    replicas' syncs, shared host links), passed as estimate_module(..., replicas, system, ipu_ids)
+    replicas' syncs, shared host links), passed as estimate_module(..., replicas, system, ipu_ids);
+    pipelines as estimate_module(..., pipeline_stages, stage_ipus, ipus_per_replica,
+    pipeline_schedule, micro_batches, recomputation)
 
 The compiler calls :func:`estimate_module` once per compile (``Executable.estimate``); nothing
 is cached or computed at run time. The model, its parameters (all fields of

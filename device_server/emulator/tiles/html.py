@@ -191,6 +191,107 @@ def _timeline(report: dict[str, Any]) -> str:
                                   "not drawn); syncs are drawn at least 0.3 px wide.</p>")
 
 
+def _ipu_memory(report: dict[str, Any]) -> str:
+    """A pipelined program's IPUs: each one's fullest tile by category against the SRAM."""
+    ipus = report.get("ipus") or []
+    if not ipus:
+        return ""
+    limit = float(report.get("tile_bytes_limit") or 0)
+    cats = [c for c in _COLORS if any((d.get("at_peak_tile") or {}).get(c) for d in ipus)]
+    bar_h, gap, label_w = 18, 6, 250
+    h = len(ipus) * (bar_h + gap) + 24
+    top = max(max(d["peak_tile_bytes"] for d in ipus), limit) * 1.08 or 1.0
+    pw = _W - label_w - 110
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">']
+    for n, d in enumerate(ipus):
+        yy = 5 + n * (bar_h + gap)
+        label = (f"IPU {d['ipu']} (id {d.get('ipu_id', d['ipu'])}), stage"
+                 f"{'s' if len(d['stages']) != 1 else ''} {', '.join(map(str, d['stages']))}")
+        out.append(f'<text x="{label_w - 6}" y="{yy + 13}" class="lbl" text-anchor="end">{_e(label)}</text>')
+        xx = float(label_w)
+        for c in cats:
+            v = float((d.get("at_peak_tile") or {}).get(c, 0))
+            w = pw * v / top
+            if w > 0:
+                out.append(f'<rect x="{xx:.1f}" y="{yy}" width="{w:.1f}" height="{bar_h}" '
+                           f'fill="{_COLORS[c]}"><title>{_e(c)}: {v:,.0f} B on tile '
+                           f'{d["peak_tile"]}</title></rect>')
+                xx += w
+        verdict = "" if d.get("fits", True) else " OVER"
+        out.append(f'<text x="{xx + 4:.1f}" y="{yy + 13}" class="ax">{_e(_fmt_bytes(d["peak_tile_bytes"]))}'
+                   f'{verdict}</text>')
+    if limit:
+        x = label_w + pw * limit / top
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="2" y2="{h - 18}" stroke="#000" '
+                   f'stroke-dasharray="6 3"/><text x="{x:.1f}" y="{h - 6}" class="ax" '
+                   f'text-anchor="middle">SRAM per tile {_e(_fmt_bytes(limit))}</text>')
+    out.append("</svg>")
+    rows = [(d["ipu"], d.get("ipu_id", d["ipu"]), ", ".join(map(str, d["stages"])), d["peak_tile"],
+             f"{d['peak_tile_bytes']:,}", f"{d.get('stash_bytes', 0):,}", f"{d['always_live_bytes']:,}",
+             f"{d.get('total_bytes', 0):,}", "yes" if d.get("fits", True) else "NO") for d in ipus]
+    return ("<p>The fullest tile of each IPU of a replica, by category (activations include the "
+            "micro-batches stashed for the backward pass).</p>" + "".join(out) + _legend(cats)
+            + _table(["IPU", "IPU id", "stages", "peak tile", "peak tile bytes",
+                      "stashed (all tiles)", "always live", "total", "fits"], rows))
+
+
+def _pipeline(report: dict[str, Any]) -> str:
+    """The stages' figures and the pipeline's timeline (stages x slots, micro-batches)."""
+    stages = report.get("stages") or []
+    slots = report.get("pipeline_timeline") or []
+    if not stages:
+        return ""
+    rows = [(d["stage"], d["ipu"], f"{d['forward_cycles']:,.0f}", f"{d['backward_cycles']:,.0f}",
+             f"{d['recompute_cycles']:,.0f}", f"{d['update_cycles']:,.0f}", d["in_flight"],
+             f"{d['stash_bytes']:,}", f"{d['checkpoint_bytes']:,}", f"{d['sends_forward_bytes']:,}",
+             f"{d['sends_backward_bytes']:,}", ", ".join(d.get("layers", [])[:6])
+             + (" ..." if len(d.get("layers", [])) > 6 else "")) for d in stages]
+    table = _table(["stage", "IPU", "forward", "backward", "recompute", "update",
+                    "in flight", "stash B", "checkpoint B", "sends fwd B", "sends bwd B",
+                    "Keras layers"], rows)
+    if not slots:
+        return table
+    S = len(stages)
+    total = sum(float(sl["cycles"]) for sl in slots) or 1.0
+    left, lane = 70, 22
+    h = 34 + lane * S
+    pw = _W - left - 10
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">']
+    for s in range(S):
+        out.append(f'<text x="{left - 6}" y="{8 + s * lane + 13}" class="lbl" text-anchor="end">'
+                   f'stage {s}</text>')
+        out.append(f'<rect x="{left}" y="{8 + s * lane}" width="{pw}" height="{lane - 4}" fill="#f4f4f4"/>')
+    t = 0.0
+    for sl in slots:
+        start = left + pw * t / total
+        ipu_at: dict[int, float] = {}   # passes on one IPU run one after the other
+        for s, i, kind in sl["passes"]:
+            d = stages[s]
+            own = d["forward_cycles"] if kind == "F" else d["backward_cycles"] + d["recompute_cycles"]
+            w = max(0.5, pw * float(own) / total)
+            x0 = ipu_at.get(d["ipu"], start)
+            ipu_at[d["ipu"]] = x0 + w
+            color = _COLORS["compute"] if kind == "F" else _COLORS["exchange"]
+            out.append(f'<rect x="{x0:.2f}" y="{8 + s * lane}" width="{w:.2f}" height="{lane - 4}" '
+                       f'fill="{color}" stroke="#fff" stroke-width="0.5"><title>slot {sl["slot"]}: '
+                       f'{"forward" if kind == "F" else "backward"} of micro-batch {i} on stage {s}, '
+                       f'{own:,.0f} cycles</title></rect>')
+            if w > 14:
+                out.append(f'<text x="{x0 + w / 2:.1f}" y="{8 + s * lane + 13}" class="ax" '
+                           f'text-anchor="middle">{kind}{i}</text>')
+        t += float(sl["cycles"])
+    for n in range(5):
+        frac = n / 4
+        anchor = "start" if n == 0 else "end" if n == 4 else "middle"
+        out.append(f'<text x="{left + pw * frac:.1f}" y="{h - 6}" class="ax" text-anchor="{anchor}">'
+                   f'{total * frac:,.0f}</text>')
+    out.append("</svg>")
+    return (table + "".join(out)
+            + f"<p>One weight update: {len(slots)} slots drawn, {total:,.0f} cycles (F: forward, "
+            "B: backward of micro-batch i; a slot lasts its busiest IPU plus its inter-IPU sends "
+            "and a sync; the weight update follows the last slot).</p>")
+
+
 def _line_chart(points: list[tuple[float, float, bool]], ylabel: str, color: str, fmt: Any) -> str:
     if not points:
         return ""
@@ -262,6 +363,18 @@ th{background:#f0f0f0}.kv td:first-child{font-weight:600}
 """
 
 
+def _schedule_note(r: dict[str, Any]) -> str:
+    """The order memory was counted in, with HLO order's peak beside it."""
+    order = r.get("memory_order") or ""
+    if not order:
+        return ""
+    hlo = int(r.get("hlo_order_peak_tile_bytes", 0))
+    if order == "hlo":
+        return f" (HLO order, no worse than the memory-aware schedule; {hlo:,} B)"
+    return (f" in the memory-aware schedule; in HLO order tile {r.get('hlo_order_peak_tile')}: "
+            f"{hlo:,} B")
+
+
 def render_html(report: dict[str, Any]) -> str:
     """The HTML page for a report dict (``Estimate.to_dict()``)."""
     r = report
@@ -295,10 +408,23 @@ def render_html(report: dict[str, Any]) -> str:
         ("supersteps", f"{int(r.get('supersteps', 0)):,}"),
         ("arithmetic", f"{float(r.get('flops', 0)) / 1e9:,.3f} GFLOP"),
         ("peak tile memory", f"tile {r.get('peak_tile')}: {int(r.get('peak_tile_bytes', 0)):,} B of "
-                             f"{int(r.get('tile_bytes_limit', 0)):,} B"),
+                             f"{int(r.get('tile_bytes_limit', 0)):,} B"
+                             + _schedule_note(r)),
         ("total memory", f"{_fmt_bytes(r.get('total_bytes', 0))} "
                          f"({_fmt_bytes(r.get('always_live_bytes', 0))} always live)"),
     ]
+    if int(r.get("pipeline_stages") or 1) > 1:
+        ipus = r.get("ipus") or []
+        summary[2:2] = [
+            ("pipeline", f"{r.get('pipeline_stages')} stages, {r.get('pipeline_schedule')} "
+                         f"schedule, stage IPUs {r.get('stage_ipus')} of {r.get('ipus_per_replica')} "
+                         f"per replica, {r.get('micro_batches')} micro-batch(es) per weight update, "
+                         f"{float(r.get('weight_updates_per_call') or 0):g} update(s) per call, "
+                         f"{int(r.get('pipeline_cycles_per_update') or 0):,} cycles per update"
+                         + (", recomputation" if r.get("recomputation") else "")),
+            ("memory per IPU", "; ".join(f"IPU {d['ipu']}: {d['peak_tile_bytes']:,} B on tile "
+                                         f"{d['peak_tile']}" for d in ipus)),
+        ]
     replicas = int(r.get("replicas") or 1)
     if replicas > 1:
         cycles = float(r.get("cycles") or 0) or 1.0
@@ -326,7 +452,8 @@ def render_html(report: dict[str, Any]) -> str:
     kv = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in summary)
     contributors = r.get("contributors") or []
     contrib_rows = [(c["name"], c.get("opcode", ""), c.get("layer", ""), c["kind"], f"{c['bytes']:,}",
-                     c.get("where", "")) for c in contributors[:20]]
+                     c.get("where", "") + (f" (stage {c['stage']})" if c.get("stage", -1) >= 0 else ""))
+                    for c in contributors[:20]]
     layer_rows = [(name, f"{b:,}") for name, b in (r.get("by_layer") or [])[:15]]
     top = r.get("top_ops") or []
     top_rows = [(o["name"] + (f" (+{o['fused'] - 1} fused)" if o.get("fused", 1) > 1 else ""),
@@ -356,7 +483,15 @@ def render_html(report: dict[str, Any]) -> str:
         "<p>Every tile of the chip, each at its own peak, by category (always-live categories "
         "below, not-always-live on top).</p>",
         _memory_chart(r),
-        f"<h2>Largest contributors on tile {_e(r.get('peak_tile'))}</h2>",
+    ]
+    if int(r.get("pipeline_stages") or 1) > 1:
+        parts += [f"<p>(IPU {_e(r.get('peak_ipu'))} of the pipeline, the fullest.)</p>",
+                  "<h2>Memory per IPU</h2>", _ipu_memory(r),
+                  "<h2>Pipeline: stages and timeline</h2>", _pipeline(r)]
+    parts += [
+        f"<h2>Largest contributors on tile {_e(r.get('peak_tile'))}"
+        + (f" of IPU {_e(r.get('peak_ipu'))}" if int(r.get("pipeline_stages") or 1) > 1 else "")
+        + "</h2>",
         _table(["tensor", "opcode", "Keras layer", "kind", "bytes", "inside"], contrib_rows),
         _table(["Keras layer (or kind)", "bytes on the tile"], layer_rows),
         "<h2>Top operations by cycles</h2>",

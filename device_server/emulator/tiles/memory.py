@@ -10,20 +10,41 @@
   (exchange receive buffers, partial sums). A called computation (loop body, branch, callee)
   adds its own peak at the point of the call.
 
-The sweep walks the program points once with a per-tile running total (numpy vectors over
-the tiles) and keeps, for every tile, its peak and the point where it happens, so that the
-largest contributors on the fullest tile can be named.
+The order of the points is a schedule (``liveness.Liveness`` per computation):
+
+    profile_memory(plan)                the memory-aware schedule: every computation, callees
+                                        first, ordered by schedule.schedule, the candidate
+                                        orders compared by their exact per-tile sweep
+                                        (max over tiles of always-live + peak, then the sum)
+    profile_memory(plan, order="hlo")   HLO emission order (the planner's born / last)
+
+and the scheduled profile is kept only if its fullest tile holds no more than HLO order's
+(``MemoryProfile.order`` says which was kept; ``hlo_order_peak_bytes`` is HLO order's).
+
+A pipelined program's IPU (``IpuView``, made by ``pipeline.py``) counts only what that IPU
+holds: the parameters, constants, code and exchange code of its stages, the tensors its
+stages make or read (a tensor another IPU's stage makes is received into a copy, live as
+long as the original), and its stages' temporaries; the order is the whole program's.
+
+The sweep walks the points once in their order with a per-tile running total (numpy vectors
+over the tiles) and keeps, for every tile, its peak and the position where it happens, so
+that the largest contributors on the fullest tile can be named.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from device_server.emulator.tiles.planner import Buf, CompPlan, ModulePlan, layer_name
+from device_server.emulator.tiles.irinfo import layer_name
+from device_server.emulator.tiles.liveness import Liveness, graph_of, hlo_liveness, liveness
+from device_server.emulator.tiles.plan import Buf, CompPlan, ModulePlan
+from device_server.emulator.tiles.schedule import schedule
 
-__all__ = ["CATEGORIES", "Contributor", "MemoryProfile", "profile_memory"]
+__all__ = ["CATEGORIES", "Contributor", "IpuView", "MemoryProfile", "Schedule", "memory_schedule",
+           "profile_memory"]
 
 CATEGORIES = ("variables", "inputs", "constants", "code and vertex state", "exchange code",
               "activations", "temporaries")
@@ -49,8 +70,29 @@ class _Sweep:
     total: np.ndarray     # per tile: peak not-always-live bytes
     act: np.ndarray       # ... of which tensors
     tmp: np.ndarray       # ... of which instruction temporaries
-    at: np.ndarray        # per tile: the point of the peak
-    chip_peak: float      # largest sum over tiles at one point
+    at: np.ndarray        # per tile: the position of the peak
+    chip_peak: float      # largest sum over tiles at one position
+
+
+@dataclass
+class IpuView:
+    """What one IPU of a pipelined program holds (see module docstring): the ids of its
+    buffers (entry parameters and constants included) and of its program points, and the
+    stages it runs."""
+
+    ipu: int
+    stages: tuple[int, ...]
+    bufs: set[int]
+    points: set[int]
+
+
+@dataclass
+class Schedule:
+    """The memory-aware order of every computation of a plan (``memory_schedule``)."""
+
+    chosen: dict[int, Liveness]          # id(CompPlan) -> its order
+    wins: dict[str, int]                 # computations by the scheduler whose order won
+    memo: dict[int, _Sweep]              # the whole program's sweeps in those orders
 
 
 @dataclass
@@ -64,6 +106,11 @@ class MemoryProfile:
     always_live_bytes: int
     peak_not_always_live_bytes: int   # chip-wide, at the point where the sum is largest
     contributors: list[Contributor] = field(default_factory=list)  # on the peak tile
+    order: str = "hlo"                # "hlo": emission order; "scheduled": memory-aware
+    hlo_order_peak_bytes: int = 0     # the fullest tile's bytes in HLO order
+    hlo_order_peak_tile: int = 0
+    schedulers: dict[str, int] = field(default_factory=dict)  # computations by winning order
+    orders: Callable[[CompPlan], Liveness] | None = None      # the order kept, per computation
 
     def by_layer(self) -> list[tuple[str, int]]:
         """Contributors on the peak tile summed by Keras layer, largest first."""
@@ -74,45 +121,70 @@ class MemoryProfile:
         return sorted(sums.items(), key=lambda kv: -kv[1])
 
 
-def _sweep(ctx: CompPlan, T: int, memo: dict[int, _Sweep]) -> _Sweep:
-    key = id(ctx)
-    if key in memo:
-        return memo[key]
-    n = len(ctx.points)
-    births: list[list[Buf]] = [[] for _ in range(n + 2)]
-    deaths: list[list[Buf]] = [[] for _ in range(n + 2)]
-    for b in ctx.bufs:
-        if b.ctx is not ctx or b.fused or b.inplace or b.mapping is None:
-            continue
-        births[min(b.born, n)].append(b)
-        deaths[min(b.last, n) + 1].append(b)
-    run = np.zeros(T)
-    peak = np.zeros(T)
-    pact = np.zeros(T)
-    ptmp = np.zeros(T)
-    at = np.zeros(T, dtype=np.int64)
-    chip = 0.0
-    for k in range(n + 1):
-        for b in deaths[k]:
-            b.mapping.add_to(run, -b.itemsize)
-        for b in births[k]:
-            b.mapping.add_to(run, b.itemsize)
-        act = run
-        tmp = None
-        if k < n:
-            p = ctx.points[k]
-            if p.temps or p.subs:
+LiveOf = Callable[[CompPlan], Liveness]
+# Candidate orders whose chip-wide peak is more than this factor above the best one's are not
+# swept per tile (the sweep is the costly part); HLO order always is.
+_WITHIN = 1.05
+
+
+class _Sweeper:
+    """Sweeps computations in the orders ``live_of`` gives, seeing what ``view`` holds (all:
+    None), each computation once."""
+
+    def __init__(self, T: int, live_of: LiveOf, view: IpuView | None = None,
+                 memo: dict[int, _Sweep] | None = None) -> None:
+        self.T = T
+        self.live_of = live_of
+        self.view = view
+        self.memo: dict[int, _Sweep] = {} if memo is None else memo
+
+    def __call__(self, ctx: CompPlan) -> _Sweep:
+        key = id(ctx)
+        if key not in self.memo:
+            self.memo[key] = self.sweep(ctx, self.live_of(ctx))
+        return self.memo[key]
+
+    def sweep(self, ctx: CompPlan, live: Liveness) -> _Sweep:
+        """The per-tile sweep of ``ctx`` with its points in ``live.order``."""
+        T, view = self.T, self.view
+        n = len(live.order)
+        births: list[list[Buf]] = [[] for _ in range(n + 2)]
+        deaths: list[list[Buf]] = [[] for _ in range(n + 2)]
+        for b, first, last in live.ranges:
+            if view is None or id(b) in view.bufs:
+                births[first].append(b)
+                deaths[last + 1].append(b)
+        run = np.zeros(T)
+        peak = np.zeros(T)
+        pact = np.zeros(T)
+        ptmp = np.zeros(T)
+        at = np.zeros(T, dtype=np.int64)
+        chip = 0.0
+        points = ctx.points
+        for k in range(n + 1):
+            for b in deaths[k]:
+                b.mapping.add_to(run, -b.itemsize)
+            p = points[live.order[k]] if k < n else None
+            temps = p.temps if p is not None and (view is None or id(p) in view.points) else ()
+            subs = p.subs if p is not None else ()
+            if not births[k] and not temps and not subs and k:
+                continue  # nothing was added here: no tile can be at a new peak
+            for b in births[k]:
+                b.mapping.add_to(run, b.itemsize)
+            act = run
+            tmp = None
+            if temps or subs:
                 tmp = np.zeros(T)
-                for m, nbytes in p.temps:
+                for m, nbytes in temps:
                     m.covers(tmp, nbytes)
                 extra_act = None
-                for alts in p.subs:
-                    subs = [_sweep(c, T, memo) for c in alts]
-                    if not subs:
+                for alts in subs:
+                    sweeps = [self(c) for c in alts]
+                    if not sweeps:
                         continue
-                    best = subs[0]
+                    best = sweeps[0]
                     s_tot, s_act, s_tmp = best.total, best.act, best.tmp
-                    for other in subs[1:]:
+                    for other in sweeps[1:]:
                         pick = other.total > s_tot
                         s_tot = np.where(pick, other.total, s_tot)
                         s_act = np.where(pick, other.act, s_act)
@@ -121,79 +193,152 @@ def _sweep(ctx: CompPlan, T: int, memo: dict[int, _Sweep]) -> _Sweep:
                     tmp += s_tmp
                 if extra_act is not None:
                     act = run + extra_act
-        cur = act if tmp is None else act + tmp
-        s = float(cur.sum())
-        if s > chip:
-            chip = s
-        mask = cur > peak
-        if mask.any():
-            peak[mask] = cur[mask]
-            pact[mask] = act[mask]
-            ptmp[mask] = 0.0 if tmp is None else tmp[mask]
-            at[mask] = k
-    result = _Sweep(peak, pact, ptmp, at, chip)
-    memo[key] = result
-    return result
+            cur = act if tmp is None else act + tmp
+            s = float(cur.sum())
+            if s > chip:
+                chip = s
+            mask = cur > peak
+            if mask.any():
+                peak[mask] = cur[mask]
+                pact[mask] = act[mask]
+                ptmp[mask] = 0.0 if tmp is None else tmp[mask]
+                at[mask] = k
+        return _Sweep(peak, pact, ptmp, at, chip)
+
+    def contributors(self, ctx: CompPlan, tile: int, at: int, where: str,
+                     out: list[Contributor]) -> None:
+        """Tensors and temporaries on ``tile`` at position ``at`` of ``ctx``'s order
+        (recursing into calls)."""
+        view = self.view
+        live = self.live_of(ctx)
+        for b, first, last in live.ranges:
+            if first <= at <= last and (view is None or id(b) in view.bufs):
+                nb = b.mapping.elements_on(tile) * b.itemsize
+                if nb:
+                    out.append(Contributor(int(nb), b.instr.name, b.instr.opcode,
+                                           layer_name(b.instr), "activations", where))
+        if at >= len(live.order):
+            return
+        p = ctx.points[live.order[at]]
+        if view is None or id(p) in view.points:
+            for m, nbytes in p.temps:
+                if (tile - m.first) % m.total_tiles < m.tiles:
+                    out.append(Contributor(int(nbytes), p.instr.name, p.instr.opcode,
+                                           layer_name(p.instr), "temporaries", where))
+        for alts in p.subs:
+            if not alts:
+                continue
+            best = max(alts, key=lambda c: self(c).total[tile])
+            self.contributors(best, tile, int(self(best).at[tile]), best.name, out)
 
 
-def _contributors(ctx: CompPlan, T: int, tile: int, point: int, memo: dict[int, _Sweep],
-                  where: str, out: list[Contributor]) -> None:
-    """Tensors and temporaries on ``tile`` at ``point`` of ``ctx`` (recursing into calls)."""
-    for b in ctx.bufs:
-        if b.ctx is not ctx or b.fused or b.inplace or b.mapping is None:
-            continue
-        if b.born <= point <= b.last:
-            nb = b.mapping.elements_on(tile) * b.itemsize
-            if nb:
-                out.append(Contributor(int(nb), b.instr.name, b.instr.opcode, layer_name(b.instr),
-                                       "activations", where))
-    if point >= len(ctx.points):
-        return
-    p = ctx.points[point]
-    for m, nbytes in p.temps:
-        if (tile - m.first) % m.total_tiles < m.tiles:
-            out.append(Contributor(int(nbytes), p.instr.name, p.instr.opcode, layer_name(p.instr),
-                                   "temporaries", where))
-    for alts in p.subs:
-        if not alts:
-            continue
-        best = max(alts, key=lambda c: _sweep(c, T, memo).total[tile])
-        sw = _sweep(best, T, memo)
-        _contributors(best, T, tile, int(sw.at[tile]), memo, best.name, out)
+def memory_schedule(plan: ModulePlan, base: np.ndarray | None = None) -> Schedule:
+    """The memory-aware order of every computation of ``plan`` (see module docstring),
+    compared with ``base`` (the always-live bytes per tile; default: none) added."""
+    T = plan.target.tiles_per_ipu
+    base = np.zeros(T) if base is None else base
+    chosen: dict[int, Liveness] = {}
+    wins: dict[str, int] = {}
+    sweeper = _Sweeper(T, lambda c: chosen[id(c)])
+
+    def visit(ctx: CompPlan) -> None:
+        if id(ctx) in chosen:
+            return
+        chosen[id(ctx)] = hlo_liveness(ctx)  # recursion guard
+        for p in ctx.points:
+            for alts in p.subs:
+                for c in alts:
+                    visit(c)
+        callee = [sum(max((sweeper(c).chip_peak for c in alts), default=0.0) for alts in p.subs)
+                  for p in ctx.points]
+        graph, bufs = graph_of(ctx, callee, plan.overwrites if ctx is plan.entry else ())
+        sweeps: dict[tuple[int, ...], _Sweep] = {}
+
+        def evaluate(order: list[int]) -> tuple[float, float]:
+            sw = sweeper.sweep(ctx, liveness(graph, bufs, order, ""))
+            sweeps[tuple(order)] = sw
+            tot = base + sw.total
+            return float(tot.max()), float(tot.sum())
+
+        order, name = schedule(graph, evaluate, within=_WITHIN)
+        chosen[id(ctx)] = liveness(graph, bufs, order, name)
+        sweeper.memo[id(ctx)] = sweeps[tuple(order)]
+        wins[name] = wins.get(name, 0) + 1
+
+    visit(plan.entry)
+    return Schedule(chosen, wins, sweeper.memo)
 
 
-def profile_memory(plan: ModulePlan, top: int = 12) -> MemoryProfile:
-    """The memory profile of a planned module (see module docstring)."""
+def _always_live(plan: ModulePlan, view: IpuView | None) -> tuple[dict[str, np.ndarray], list[Buf]]:
+    """Always-live bytes per tile by category, and the parameters and constants counted."""
     T = plan.target.tiles_per_ipu
     cats: dict[str, np.ndarray] = {c: np.zeros(T) for c in CATEGORIES}
-    for b in plan.params:
-        if b.mapping is None:
-            continue
-        b.mapping.add_to(cats["inputs" if b.kind == "argument" else "variables"], b.itemsize)
-    for b in plan.constants:
-        b.mapping.add_to(cats["constants"], b.itemsize)
-    cats["code and vertex state"] += plan.code_bytes
-    cats["exchange code"] += plan.exchange_code_bytes
-    memo: dict[int, _Sweep] = {}
-    sw = _sweep(plan.entry, T, memo)
+    held = [b for b in plan.params + plan.constants
+            if b.mapping is not None and (view is None or id(b) in view.bufs)]
+    for b in held:
+        kind = "constants" if b.kind == "constant" else "inputs" if b.kind == "argument" else "variables"
+        b.mapping.add_to(cats[kind], b.itemsize)
+    if view is None:
+        cats["code and vertex state"] += plan.code_bytes
+        cats["exchange code"] += plan.exchange_code_bytes
+    else:
+        for s in view.stages:
+            cats["code and vertex state"] += plan.stage_code_bytes[s]
+            cats["exchange code"] += plan.stage_exchange_code_bytes[s]
+    return cats, held
+
+
+def profile_memory(plan: ModulePlan, top: int = 12, *, order: str = "scheduled",
+                   view: IpuView | None = None, schedule: Schedule | None = None) -> MemoryProfile:
+    """The memory profile of a planned module (of one IPU of it: ``view``) with its points
+    in ``order``: "scheduled" (the memory-aware schedule, or HLO order where that is no
+    worse) or "hlo" (see module docstring). ``schedule``: ``memory_schedule(plan)``, if made
+    already (a pipelined program's IPUs share it)."""
+    if order not in ("scheduled", "hlo"):
+        raise ValueError(f"order must be 'scheduled' or 'hlo', not {order!r}")
+    T = plan.target.tiles_per_ipu
+    cats, held = _always_live(plan, view)
+    always = sum(cats[c] for c in CATEGORIES[:5])
+    hlo: dict[int, Liveness] = {}
+
+    def hlo_of(c: CompPlan) -> Liveness:
+        if id(c) not in hlo:
+            hlo[id(c)] = hlo_liveness(c)
+        return hlo[id(c)]
+
+    sweeper = _Sweeper(T, hlo_of, view)
+    sw = sweeper(plan.entry)
+    hlo_total = always + sw.total
+    hlo_tile = int(np.argmax(hlo_total))
+    kept, wins = "hlo", {}
+    if order == "scheduled":
+        if schedule is None:
+            schedule = memory_schedule(plan, always)
+        wins = schedule.wins
+        chosen = schedule.chosen
+        mine = _Sweeper(T, lambda c: chosen[id(c)], view, dict(schedule.memo) if view is None else None)
+        ssw = mine(plan.entry)
+        if float((always + ssw.total).max()) <= float(hlo_total.max()):
+            kept, sw, sweeper = "scheduled", ssw, mine
     cats["activations"] += sw.act
     cats["temporaries"] += sw.tmp
-    always = sum(cats[c] for c in CATEGORIES[:5])
     total = always + sw.total
     tile = int(np.argmax(total))
     contributors: list[Contributor] = []
-    for b in plan.params + plan.constants:
-        nb = b.mapping.elements_on(tile) * b.itemsize if b.mapping is not None else 0
+    for b in held:
+        nb = b.mapping.elements_on(tile) * b.itemsize
         if nb:
             kind = "constants" if b.kind == "constant" else ("inputs" if b.kind == "argument" else "variables")
             contributors.append(Contributor(int(nb), b.instr.name, b.instr.opcode, layer_name(b.instr), kind))
     for c in ("code and vertex state", "exchange code"):
         if cats[c][tile]:
             contributors.append(Contributor(int(cats[c][tile]), f"({c})", "", "", c))
-    _contributors(plan.entry, T, tile, int(sw.at[tile]), memo, "", contributors)
+    sweeper.contributors(plan.entry, tile, int(sw.at[tile]), "", contributors)
     contributors.sort(key=lambda c: -c.bytes)
     return MemoryProfile(
         categories=cats, total=total, peak_tile=tile, peak_bytes=int(np.ceil(total[tile])),
         always_live_bytes=int(always.sum()), peak_not_always_live_bytes=int(sw.chip_peak),
-        contributors=contributors[: max(top, 1) * 4],
+        contributors=contributors[: max(top, 1) * 4], order=kept, schedulers=dict(wins),
+        hlo_order_peak_bytes=int(np.ceil(hlo_total[hlo_tile])), hlo_order_peak_tile=hlo_tile,
+        orders=sweeper.live_of,
     )

@@ -33,7 +33,8 @@ from device_server.emulator.tiles import cycles as cyc
 from device_server.protocol import hardware
 
 __all__ = ["GCL_STEP_OVERHEAD_S", "HostLinkLoad", "Replication", "Ring", "RingArrow",
-           "all_reduce_seconds", "host_link_load", "replication"]
+           "all_reduce_seconds", "check_ipu_ids", "external_sync_seconds", "host_link_load", "replication",
+           "ring_over", "transfer_seconds"]
 
 #: Fixed cost of one step of a ring collective beyond the links' own latency and the
 #: external sync: GCL's "syncful" collectives sync every step and set up the IO tiles'
@@ -164,6 +165,17 @@ def _ring_in_order(system: hardware.System, order: tuple[int, ...], step_sync_s:
                 max(a.latency_s for a in arrows) + step_sync_s, step_sync_s)
 
 
+def check_ipu_ids(ids: tuple[int, ...], system: hardware.System) -> None:
+    """ValueError unless ``ids`` are distinct IPUs of ``system``."""
+    bad = [i for i in ids if not 0 <= i < system.num_ipus]
+    if bad:
+        raise ValueError(f"ipu_ids {bad} are not IPUs of system {system.name!r} "
+                         f"(0 .. {system.num_ipus - 1}).")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"ipu_ids must be distinct (one IPU per replica, or per stage's IPU). "
+                         f"Received: {list(ids)}")
+
+
 def replication(replicas: int, system: hardware.System | str | None,
                 ipu_ids: tuple[int, ...] | list[int], target: Target) -> Replication:
     """The checked replication of a program compiled for ``target`` (``system``: a System or
@@ -199,12 +211,7 @@ def replication(replicas: int, system: hardware.System | str | None,
         if len(ids) != replicas:
             raise ValueError(f"ipu_ids must name one IPU per replica: {len(ids)} IPU ids "
                              f"{list(ids)} for {replicas} replicas.")
-        bad = [i for i in ids if not 0 <= i < system.num_ipus]
-        if bad:
-            raise ValueError(f"ipu_ids {bad} are not IPUs of system {system.name!r} "
-                             f"(0 .. {system.num_ipus - 1}).")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"ipu_ids must be distinct (one replica per IPU). Received: {list(ids)}")
+        check_ipu_ids(ids, system)
     else:
         ids = tuple(range(replicas))
     if replicas == 1:
@@ -212,6 +219,27 @@ def replication(replicas: int, system: hardware.System | str | None,
     sync = _external_sync(system, ids, target)   # ValueError: two IPUs no IPU-Links join
     return Replication(replicas, system, ids, target, _ring(system, ids, sync + GCL_STEP_OVERHEAD_S),
                        sync)
+
+
+def ring_over(system: hardware.System, ipus: tuple[int, ...], target: Target) -> Ring:
+    """The ring an all-reduce over ``ipus`` (two or more) runs on (as for replicas)."""
+    sync = _external_sync(system, ipus, target)
+    return _ring(system, ipus, sync + GCL_STEP_OVERHEAD_S)
+
+
+def external_sync_seconds(system: hardware.System, ipus: tuple[int, ...], target: Target) -> float:
+    """One sync across ``ipus`` (see module docstring)."""
+    return _external_sync(system, ipus, target)
+
+
+def transfer_seconds(system: hardware.System, a: int, b: int, nbytes: float) -> float:
+    """``nbytes`` from IPU ``a`` to IPU ``b`` over ``system.path``: at the slowest hop's
+    bandwidth (each way), plus the hops' latencies; 0 on one IPU."""
+    if a == b or nbytes <= 0:
+        return 0.0
+    path = system.path(a, b)
+    hops = list(zip(path, path[1:], strict=False))
+    return nbytes / min(system.link(u, v).bytes_per_s for u, v in hops) + _path_latency(system, path)
 
 
 def all_reduce_seconds(ring: Ring, replicas: int, nbytes: float) -> float:

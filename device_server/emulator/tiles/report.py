@@ -33,14 +33,28 @@ import numpy as np
 
 from device_server.emulator.arch import Target
 from device_server.emulator.tiles import cycles as cyc
+from device_server.emulator.tiles.irinfo import stage_of
 from device_server.emulator.tiles.mapping import TileMapping
-from device_server.emulator.tiles.memory import CATEGORIES, MemoryProfile, profile_memory
-from device_server.emulator.tiles.planner import LiveFn, ModulePlan, Step, plan_module
+from device_server.emulator.tiles.memory import (
+    CATEGORIES,
+    MemoryProfile,
+    memory_schedule,
+    profile_memory,
+)
+from device_server.emulator.tiles.pipeline import (
+    PIPELINE_ASSUMPTIONS,
+    Placement,
+    estimate_pipeline,
+    placement,
+)
+from device_server.emulator.tiles.plan import ModulePlan, Step
+from device_server.emulator.tiles.planner import plan_module
 from device_server.emulator.tiles.replication import (
     GCL_STEP_OVERHEAD_S,
     host_link_load,
     replication,
 )
+from device_server.emulator.tiles.state import LiveFn
 from device_server.protocol import ir_pb2
 
 __all__ = ["ASSUMPTIONS", "Estimate", "estimate_module", "estimate_plan"]
@@ -63,6 +77,9 @@ ASSUMPTIONS = (
     "updated variables are written in place; host transfers (arguments in, non-variable results "
     "out) are not overlapped with compute",
     "tensors are laid out linearly with at least min_bytes_per_tile per tile",
+    "schedule: each computation's instructions run in the order of least peak memory found by "
+    "list schedulers (reverse and forward, a depth-first order) or HLO order; the schedule "
+    "changes memory only: a superstep costs the same wherever it runs",
 )
 
 # Added to the assumptions of a replicated program's estimate.
@@ -142,6 +159,29 @@ class Estimate:
     collectives: list[dict[str, Any]] = field(default_factory=list)  # each all-reduce
     ring: dict[str, Any] = field(default_factory=dict)       # Ring.to_dict()
     host_link: dict[str, Any] = field(default_factory=dict)  # the most loaded host link
+    # The schedule (docs/tile_model.md, "The schedule"): the memory figures above are those of
+    # the memory-aware order of every computation; these are HLO emission order's.
+    memory_order: str = ""               # "scheduled", or "hlo" where that was no worse
+    hlo_order_peak_tile_bytes: int = 0   # the fullest tile in HLO order
+    hlo_order_peak_tile: int = 0
+    schedulers: dict[str, int] = field(default_factory=dict)  # computations by winning order
+    # Pipelines (docs/tile_model.md, "Pipelines"): one replica spans ipus_per_replica IPUs;
+    # peak_tile / peak_tile_bytes / memory / contributors above are the fullest IPU's
+    # (peak_ipu); cycles are the pipeline's; compute/exchange/sync_cycles the stages' work.
+    pipeline_stages: int = 1
+    pipeline_schedule: str = ""          # "grouped", "interleaved", "sequential"
+    micro_batches: int = 1               # per weight update
+    recomputation: bool = False
+    ipus_per_replica: int = 1
+    stage_ipus: list[int] = field(default_factory=list)       # per stage: IPU of the replica
+    micro_batches_per_call: int = 0
+    weight_updates_per_call: float = 0.0
+    pipeline_cycles_per_update: int = 0  # ramp-up + steady state + ramp-down + update
+    peak_ipu: int = 0                    # the replica's IPU with the fullest tile
+    stages: list[dict[str, Any]] = field(default_factory=list)   # per stage: cycles, stash, ...
+    ipus: list[dict[str, Any]] = field(default_factory=list)     # per IPU: memory, stages
+    pipeline_timeline: list[dict[str, Any]] = field(default_factory=list)  # slots x passes
+    pipeline_transfers: list[dict[str, Any]] = field(default_factory=list)
 
     # -- derived figures ------------------------------------------------------------------
     @property
@@ -250,6 +290,10 @@ class Estimate:
                 replicas += (f"; all-reduce {self.all_reduce_bytes:,} B per replica, "
                              f"{self.all_reduce_cycles / self.clock_hz * 1e3:.3f} ms = "
                              f"{self.all_reduce_share:.1%} of the call")
+        if self.pipeline_stages > 1:
+            replicas += (f", {self.pipeline_stages}-stage {self.pipeline_schedule} pipeline over "
+                         f"{self.ipus_per_replica} IPUs, {self.micro_batches} micro-batch(es) per "
+                         f"update (memory of IPU {self.peak_ipu} below)")
         return (f"{self.program or 'program'} on {self.target}{replicas}: {self.cycles:,} "
                 f"cycles = {self.seconds * 1e3:.3f} ms{items}; peak tile {self.peak_tile} "
                 f"{self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
@@ -258,14 +302,23 @@ class Estimate:
     def oom_message(self, top: int = 6) -> str:
         """Poplar-style out-of-memory message naming the tile, the bytes, the limit, and the
         largest tensors and Keras layers on that tile."""
+        where = ""
+        if self.pipeline_stages > 1:
+            row = next((d for d in self.ipus if d.get("ipu") == self.peak_ipu), {})
+            stages = row.get("stages", [])
+            where = (f" IPU {self.peak_ipu} of the replica (IPU id {row.get('ipu_id', self.peak_ipu)}, "
+                     f"pipeline stage{'s' if len(stages) != 1 else ''} "
+                     f"{', '.join(map(str, stages))}),")
         lines = [
-            f"Out of memory on tile {self.peak_tile}: {self.peak_tile_bytes} bytes used but "
+            f"Out of memory on{where} tile {self.peak_tile}: {self.peak_tile_bytes} bytes used but "
             f"tiles only have {self.tile_bytes_limit} bytes ({self.target}, "
             f"{self.tiles_per_ipu} tiles)."
         ]
         items = []
         for c in self.contributors[:top]:
             layer = f", Keras layer '{c['layer']}'" if c.get("layer") else ""
+            if self.pipeline_stages > 1 and c.get("stage", -1) >= 0:
+                layer = f", stage {c['stage']}{layer}"
             op = f" ({c['opcode']})" if c.get("opcode") else ""
             items.append(f"'{c['name']}'{op} {c['bytes']:,} B [{c['kind']}{layer}]")
         if items:
@@ -273,7 +326,13 @@ class Estimate:
         if self.by_layer:
             layers = "; ".join(f"{name} {nbytes:,} B" for name, nbytes in self.by_layer[:top])
             lines.append(f"By Keras layer on tile {self.peak_tile}: {layers}.")
+        if self.pipeline_stages > 1:
+            over = [f"IPU {d['ipu']} (stages {', '.join(map(str, d['stages']))}) "
+                    f"{d['peak_tile_bytes']:,} B on tile {d['peak_tile']}"
+                    for d in self.ipus if not d.get("fits", True)]
+            lines.append("Over the limit: " + "; ".join(over) + ".")
         lines.append(f"In all: {self.total_bytes:,} bytes on {self.tiles_per_ipu} tiles "
+                     f"{'of every IPU ' if self.pipeline_stages > 1 else ''}"
                      f"({self.always_live_bytes:,} always live). Set allow_out_of_memory to "
                      "compile anyway and inspect the report.")
         return " ".join(lines)
@@ -366,10 +425,25 @@ def _cap_timeline(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
-    """The :class:`Estimate` of a planned module."""
+@dataclass
+class PipelineRun:
+    """What ``estimate_plan`` needs to size a pipelined plan (``estimate_module`` makes it)."""
+
+    module: ir_pb2.Module
+    where: Placement
+    implied_all_reduce_bytes: int = 0
+
+
+def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | None = None) -> Estimate:
+    """The :class:`Estimate` of a planned module (pipelined: ``pipeline``, pipeline.py)."""
     t: Target = plan.target
-    mem: MemoryProfile = profile_memory(plan)
+    pipe: dict[str, Any] = {}
+    if pipeline is None:
+        mem: MemoryProfile = profile_memory(plan)
+    else:
+        pipe = estimate_pipeline(plan, pipeline.module, pipeline.where, memory_schedule(plan),
+                                 pipeline.implied_all_reduce_bytes)
+        mem = pipe["profile"]
     compute, exchange, sync, _ = plan.entry.totals()
     device = int(math.ceil(compute + exchange + sync))
     rep = plan.replication
@@ -401,6 +475,8 @@ def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
         L["flops"] += a["flops"]
         L["supersteps"] += a["supersteps"]
     assumptions = list(ASSUMPTIONS)
+    if pipeline is not None:
+        assumptions.extend(PIPELINE_ASSUMPTIONS)
     unknown = sum(1 for lp in plan.loops if lp["kind"] == "unknown")
     for lp in plan.loops:
         if lp["note"]:
@@ -411,7 +487,7 @@ def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
                    for c in plan.collectives]
     peak_not_always = mem.peak_not_always_live_bytes
     contributors = [c.to_dict() for c in mem.contributors]
-    return Estimate(
+    est = Estimate(
         ipu_version=t.ipu_version,
         tiles_per_ipu=t.tiles_per_ipu,
         clock_hz=t.clock_hz,
@@ -461,14 +537,71 @@ def estimate_plan(plan: ModulePlan, program: str = "") -> Estimate:
         collectives=collectives,
         ring=rep.ring.to_dict() if rep is not None and rep.ring is not None else {},
         host_link=host_link,
+        memory_order=mem.order,
+        hlo_order_peak_tile_bytes=mem.hlo_order_peak_bytes,
+        hlo_order_peak_tile=mem.hlo_order_peak_tile,
+        schedulers=dict(mem.schedulers),
     )
+    if pipeline is not None:
+        _apply_pipeline(est, pipe, pipeline.where, t)
+    return est
+
+
+def _apply_pipeline(est: Estimate, pipe: dict[str, Any], where: Placement, t: Target) -> None:
+    """Puts a pipelined program's figures (``pipeline.estimate_pipeline``) into ``est``."""
+    device = int(math.ceil(pipe["device_cycles"]))
+    all_reduce = int(math.ceil(pipe["all_reduce_cycles"]))
+    sync = int(math.ceil(pipe["replica_sync_cycles"]))
+    host = int(math.ceil(pipe["host_cycles"]))
+    est.device_cycles, est.all_reduce_cycles, est.replica_sync_cycles = device, all_reduce, sync
+    est.host_cycles = host
+    est.cycles = device + all_reduce + sync + host
+    est.seconds = est.cycles / t.clock_hz
+    est.host_link = pipe["host_link"]
+    est.replica_syncs = 1 if where.replicas > 1 else 0
+    est.all_reduces, est.all_reduce_bytes = pipe["all_reduces"], pipe["all_reduce_bytes"]
+    per_update = set(pipe["per_update_all_reduces"])
+    calls = pipe["updates_per_call"], pipe["micro_batches_per_call"]
+    est.collectives = [{**c, "executions": calls[0] if c["name"] in per_update else calls[1]}
+                       for c in est.collectives] if where.replicas > 1 else []
+    est.ring = pipe["rings"].get(str(where.stage_ipus[0]), {}) if where.replicas > 1 else {}
+    est.replicas = where.replicas
+    est.system = where.system.name
+    est.ipu_ids = list(where.ipu_ids)
+    for name in ("peak_tile", "peak_tile_bytes", "fits", "memory", "contributors", "by_layer",
+                 "always_live_bytes", "total_bytes", "hlo_order_peak_tile_bytes", "peak_ipu", "ipus",
+                 "stages"):
+        setattr(est, name, pipe[name])
+    est.peak_temporary_bytes = max(0, est.total_bytes - est.always_live_bytes)
+    est.hlo_order_peak_tile = 0
+    est.memory_order = "scheduled" if all(o == "scheduled" for o in pipe["orders"].values()) else "hlo"
+    est.largest_arrays = [f"{c['bytes']} B on tile {est.peak_tile} of IPU {est.peak_ipu} for "
+                          f"'{c['name']}'" + (f" (Keras layer '{c['layer']}')" if c.get("layer") else "")
+                          for c in est.contributors[:10]]
+    est.pipeline_stages = where.stages
+    est.pipeline_schedule = where.schedule
+    est.micro_batches = where.micro_batches
+    est.recomputation = where.recomputation
+    est.ipus_per_replica = where.ipus_per_replica
+    est.stage_ipus = list(where.stage_ipus)
+    est.micro_batches_per_call = int(pipe["micro_batches_per_call"])
+    est.weight_updates_per_call = float(pipe["updates_per_call"])
+    est.pipeline_cycles_per_update = int(math.ceil(pipe["per_update_cycles"]))
+    est.pipeline_timeline = pipe["timeline"]
+    est.pipeline_transfers = pipe["transfers"]
+    est.notes = list(est.notes) + [f"pipelined: {where.describe()}"] + (
+        [f"the pipeline timeline shows its first {len(est.pipeline_timeline)} slots"]
+        if pipe["truncated"] else [])
 
 
 def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, *,
                     param_kinds: dict[int, str] | None = None,
                     mappings: dict[str, TileMapping] | None = None,
                     replicas: int = 1, system: Any = None, ipu_ids: Iterable[int] = (),
-                    implied_all_reduce_bytes: int = 0) -> Estimate:
+                    implied_all_reduce_bytes: int = 0, pipeline_stages: int = 1,
+                    stage_ipus: Iterable[int] = (), ipus_per_replica: int = 0,
+                    pipeline_schedule: str = "grouped", micro_batches: int = 1,
+                    recomputation: bool = False) -> Estimate:
     """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
     arguments).
 
@@ -476,20 +609,39 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
     ``replicas``) of ``system`` (a ``protocol.hardware.System``; None: ``plain_system`` IPUs
     of the target's version), as ``CompileOptions`` says; see ``replication.py``.
 
+    Pipelined (``pipeline_stages`` S > 1; every instruction's ``pipeline_stage`` attribute
+    names its stage): stage s runs on IPU ``stage_ipus[s]`` (default s) of each replica's
+    ``ipus_per_replica`` IPUs (0: the IPUs the stages name, rounded up to a power of two);
+    replica r on ``ipu_ids[r * P:(r + 1) * P]``; ``pipeline_schedule`` "grouped",
+    "interleaved" or "sequential", ``micro_batches`` per weight update, ``recomputation``;
+    see ``pipeline.py``.
+
     A failure of the model itself (a bug, an IR shape it does not know) must not stop the
     program from compiling and running: it is logged, and the estimate then says so in its
     ``notes`` and has no figures (``fits`` is True, as nothing was counted).
 
     Raises:
         ValueError: a replication the system cannot run (more replicas than IPUs, ``ipu_ids``
-            not one IPU per replica, IPUs of another version), naming the numbers.
+            not one IPU per replica, IPUs of another version), a pipeline placement it cannot
+            (a stage mapped to an IPU the replica lacks, more IPUs than the system has, ...)
+            or an instruction in a stage beyond ``pipeline_stages``, naming the numbers.
     """
-    rep = replication(replicas, system, tuple(ipu_ids or ()), target)
+    run: PipelineRun | None = None
+    if pipeline_stages != 1:
+        where = placement(pipeline_stages, stage_ipus, ipus_per_replica, replicas, system,
+                          ipu_ids, target, pipeline_schedule, micro_batches, recomputation)
+        _check_stages(module, pipeline_stages)
+        first = tuple(where.ipu_id(r, where.stage_ipus[0]) for r in range(where.replicas))
+        rep = replication(where.replicas, where.system, first, target)
+        run = PipelineRun(module, where, implied_all_reduce_bytes)
+    else:
+        rep = replication(replicas, system, tuple(ipu_ids or ()), target)
     try:
         plan = plan_module(module, target, live, param_kinds=param_kinds, mappings=mappings,
                            replication=rep if rep.system is not None else None,
-                           implied_all_reduce_bytes=implied_all_reduce_bytes)
-        return estimate_plan(plan, module.name)
+                           implied_all_reduce_bytes=0 if run else implied_all_reduce_bytes,
+                           stages=pipeline_stages if run else 1)
+        return estimate_plan(plan, module.name, run)
     except Exception as e:  # noqa: BLE001 - reported, never fatal
         _log.warning("tile model failed on module %r: %s: %s", module.name, type(e).__name__, e,
                      exc_info=True)
@@ -503,3 +655,15 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
             notes=[f"the tile model failed on this program ({type(e).__name__}: {e}); "
                    "no figures were estimated"],
         )
+
+
+def _check_stages(module: ir_pb2.Module, stages: int) -> None:
+    """ValueError for an instruction whose ``pipeline_stage`` is not one of the stages."""
+    for comp in module.computations:
+        for instr in comp.instructions:
+            s = stage_of(instr)
+            if not 0 <= s < stages:
+                raise ValueError(
+                    f"instruction {instr.name!r} ({instr.source_op or instr.opcode}) is in pipeline "
+                    f"stage {s}, but the program has {stages} stages (0 .. {stages - 1}): give "
+                    f"pipeline_stages={s + 1} or fix the stage assignment.")

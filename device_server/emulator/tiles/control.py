@@ -1,0 +1,88 @@
+"""Planning of control flow: ``while``, ``call``, ``conditional``.
+
+    while:        condition and body planned once (their own CompPlans), repeated by the trip
+                  count (loops.py) as one "loop" step; + the copy of the new loop state per
+                  trip; the device loop (a while of the entry computation) syncs the replicas
+                  each trip
+    call:         the callee planned in place; its results belong to the caller
+    conditional:  every branch planned; cycles of the costliest, memory of the largest
+"""
+
+from __future__ import annotations
+
+from device_server.emulator.tiles import cycles as cyc
+from device_server.emulator.tiles.loops import TripCount, loop_trip_count
+from device_server.emulator.tiles.plan import Buf, CompPlan, Step, Value, value_leaves
+from device_server.emulator.tiles.state import PlannerState
+from device_server.protocol import ir_pb2
+
+__all__ = ["ControlPlanning"]
+
+
+class ControlPlanning(PlannerState):
+    """``while``, ``call`` and ``conditional``."""
+
+    # -- control flow -------------------------------------------------------------------
+    def _while(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
+        t = self.t
+        state = self._materialize(ctx, ops[0], instr, k)
+        self.use(ctx, state, k)
+        by_id = {i.id: i for i in ctx.comp.instructions}
+        trips: TripCount = loop_trip_count(self.module, instr, by_id)
+        cond_id, body_id = instr.called_computations[0], instr.called_computations[1]
+        saved = self.eff
+        cond = self.plan_comp(cond_id, [state], instr)
+        body = self.plan_comp(body_id, [state], instr)
+        self.eff = saved
+        # The body's new state is copied into the loop's state buffers at the end of a trip.
+        copy_bytes = 0.0
+        state_leaves = list(value_leaves(state))
+        for old, new in zip(state_leaves, value_leaves(body.root), strict=False):
+            if new is not old and isinstance(old, Buf):
+                copy_bytes = max(copy_bytes, self.mapping_of(old).max_elements * old.itemsize)
+        if ctx.caller is None:  # the device loop: each step syncs the replicas
+            self.replica_sync(body, f"replica sync of {instr.name}", len(body.points))
+        loop = Step(instr, "loop", 0.0, 0.0, 0.0, self.T, 0.0, k, repeat=max(0, trips.trips))
+        loop.children = [cond, body]
+        if copy_bytes:
+            loop.compute = cyc.compute_cycles(t, 0.0, 2 * copy_bytes, 1.0, t.worker_threads_per_tile)
+            loop.sync = float(t.sync_cycles)
+        ctx.steps.append(loop)
+        ctx.points[k].subs.append([cond, body])
+        self.loops.append({"name": instr.name, "trips": trips.trips, "kind": trips.kind,
+                           "note": trips.note, "cycles_per_trip": loop.cycles})
+        if trips.note:
+            self.notes.append(trips.note)
+        self.record(instr, None, [loop], 0.0, f"{trips.trips} trip(s) ({trips.kind})")
+        return state
+
+    def _call(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
+        self.use(ctx, ops, k)
+        saved = self.eff
+        callee = self.plan_comp(instr.called_computations[0], list(ops), instr)
+        self.eff = saved
+        step = Step(instr, "call", 0.0, 0.0, 0.0, self.T, 0.0, k)
+        step.children = [callee]
+        ctx.steps.append(step)
+        ctx.points[k].subs.append([callee])
+        for leaf in value_leaves(callee.root):  # results now belong to the caller
+            if isinstance(leaf, Buf) and leaf.ctx is callee:
+                leaf.ctx, leaf.born, leaf.last, leaf.fused = ctx, k, k, False
+                ctx.bufs.append(leaf)
+        self.record(instr, None, [step])
+        return callee.root
+
+    def _conditional(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
+        self.use(ctx, ops, k)
+        saved = self.eff
+        branches = [self.plan_comp(c, [ops[1 + n]] if 1 + n < len(ops) else [], instr)
+                    for n, c in enumerate(instr.called_computations)]
+        self.eff = saved
+        step = Step(instr, "call", 0.0, 0.0, float(self.t.sync_cycles), self.T, 0.0, k)
+        if branches:
+            step.children = [max(branches, key=lambda b: b.cycles)]
+        ctx.steps.append(step)
+        ctx.points[k].subs.append(branches)
+        out = self.out_value(ctx, instr, k)
+        self.record(instr, None, [step], 0.0, f"costliest of {len(branches)} branch(es)")
+        return out
