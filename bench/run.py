@@ -38,6 +38,7 @@ BENCHES = {
     "transport": lambda quick: __import__("bench.bench_transport", fromlist=["main"]).main(quick),
     "disk_cache": lambda quick: __import__("bench.bench_disk_cache", fromlist=["main"]).main(quick),
     "replication": lambda quick: __import__("bench.bench_replication", fromlist=["main"]).main(quick),
+    "pipelining": lambda quick: __import__("bench.bench_pipelining", fromlist=["main"]).main(quick),
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

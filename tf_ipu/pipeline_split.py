@@ -5,7 +5,8 @@
          cycles of its forward and backward ops  (tf_ipu.estimate, est.layers)
       2. each layer call's memory: its weights, their gradient and optimizer state (the
          optimizer's variables for them), and its output activations kept for the backward
-         pass (x the micro-batches a Grouped pipeline keeps in flight on the first stage)
+         pass (x the micro-batches a Grouped pipeline keeps in flight on the first stage;
+         x 1 with recomputation)
       3. contiguous stages over the calls in the order the model runs them: the split that
          minimises the slowest stage's cycles, each stage's memory within an IPU's
          (dynamic programming over split points, exact for that objective)
@@ -146,7 +147,7 @@ def _split(cycles: list[float], nbytes: list[int], stages: int, budget: int) -> 
 
 def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: str = "ipu2",
                      training: bool = True, memory_fraction: float = 0.85,
-                     micro_batches_in_flight: int | None = None,
+                     micro_batches_in_flight: int | None = None, recomputation: bool = False,
                      **estimate_kwargs: Any) -> PipelineSuggestion:
     """Suggests a stage for each layer call of ``model`` over ``ipus`` IPUs (one stage each).
 
@@ -161,6 +162,9 @@ def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: st
         micro_batches_in_flight: activations a stage keeps per layer output (a Grouped
             pipeline keeps up to 2 (S - 1) + 1 on its first stage); default that bound for
             training, 1 for inference.
+        recomputation: the backward pass recomputes each stage's forward activations from
+            its input: a layer's outputs are kept for one micro-batch, not for all in flight
+            (the stage's input checkpoints, a small part, are not counted).
         **estimate_kwargs: passed to ``tf_ipu.estimate`` (``input_spec``, ``label_spec``, ...).
 
     Returns:
@@ -185,7 +189,8 @@ def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: st
     est = estimate(model, batch_size, training=training, ipu_version=ipu_version, **estimate_kwargs)
     step = getattr(est, "step", est)  # a TrainingEstimate wraps the step's Estimate
     per_layer = _layer_cycles(step)
-    in_flight = micro_batches_in_flight or (2 * (ipus - 1) + 1 if training else 1)
+    in_flight = micro_batches_in_flight or (2 * (ipus - 1) + 1 if training and not recomputation
+                                            else 1)
     optimizer = getattr(model, "optimizer", None) if training else None
     seen: set[int] = set()
     names, cycles, nbytes = [], [], []
