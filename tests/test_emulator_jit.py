@@ -375,3 +375,96 @@ def test_chains_differing_in_constants_share_a_kernel_and_the_kernel_count_is_ca
     assert _fused_steps(third) == [False]
     assert "kernels compiled in this process" in caplog.text
     np.testing.assert_array_equal(third.run([v])[0], v * v - v)
+
+
+def _special_values(rng, shape, dtype):
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    flat = x.reshape(-1)
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, np.finfo(dtype).tiny / 4, 1.0], dtype)
+    k = max(1, flat.size // 6)
+    flat[rng.choice(flat.size, size=k, replace=False)] = special[np.arange(k) % special.size]
+    return x
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_small_element_wise_groups_in_loop_bodies_compile_to_the_same_bits(monkeypatch, seed):
+    """Chains of element-wise ops over small arrays in a while body run as compiled groups
+    (fusion.plan_small_groups, jit.group_function) once hot; here at once (HOT_RUNS = 1):
+    the results are those of the numpy path bit for bit (NaN, infinities, signed zeros,
+    subnormals), and the loop's groups did compile."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(jit, "HOT_RUNS", 1)
+    rng = np.random.default_rng(seed)
+    shape = [(7,), (3, 5), (16, 64), (2, 3, 4), (1, 10), (40, 40)][seed]
+    dtype = (F32, F64)[seed % 2]
+    ops = ["add", "sub", "mul", "div", "max", "min", "neg", "abs", "sqrt", "select", "exp",
+           "tanh", "bias", "scale"]
+    plan = [(ops[int(rng.integers(len(ops)))], int(rng.integers(100)), int(rng.integers(100)))
+            for _ in range(int(rng.integers(5, 12)))]
+    x0, y0 = _special_values(rng, shape, dtype), _special_values(rng, shape, dtype)
+    bias = _special_values(rng, shape[-1:], dtype)
+    scale = np.asarray(rng.standard_normal(), dtype)
+
+    def apply(op, u, v, bias, s):
+        if op in ("add", "sub", "mul", "div"):
+            return {"add": tf.add, "sub": tf.subtract, "mul": tf.multiply, "div": tf.divide}[op](u, v)
+        if op in ("max", "min"):
+            return (tf.maximum if op == "max" else tf.minimum)(u, v)
+        if op in ("neg", "abs", "sqrt", "exp", "tanh"):
+            return {"neg": tf.negative, "abs": tf.abs, "sqrt": tf.sqrt, "exp": tf.exp,
+                    "tanh": tf.tanh}[op](u)
+        if op == "select":
+            return tf.where(u < v, u, v * 0.5)
+        return u + bias if op == "bias" else u * s + 1.5
+
+    def fn(x, y, bias, s):
+        def body(t, a, b):
+            vals = [a, b]
+            for op, i, j in plan:
+                vals.append(apply(op, vals[i % len(vals)], vals[j % len(vals)], bias, s))
+            return t + 1, vals[-1], vals[-2] - a * 0.25
+
+        _, a, b = tf.while_loop(lambda t, *_: t < 5, body, (tf.constant(0), x, y))
+        return a, b
+
+    f = tf.function(fn, jit_compile=True, autograph=False)
+    module = eu.hlo_module_to_ir(eu.hlo_of(f, x0, y0, bias, scale))
+    with np.errstate(all="ignore"):
+        got, want, exe = _both(module, [x0, y0, bias, scale])
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+        zero = a == 0
+        np.testing.assert_array_equal(np.signbit(a[zero]), np.signbit(b[zero]))
+    assert _compiled_groups(exe) >= 1, "no group of the loop body ran compiled"
+
+
+def _compiled_groups(exe) -> int:
+    """Compiled small groups reachable from an executable's program (through the generated
+    code's globals and the kernels' closures: the while body is one of them)."""
+    seen: set[int] = set()
+    count = 0
+
+    def walk(fn, depth: int = 0) -> None:
+        nonlocal count
+        if depth > 6 or id(fn) in seen:
+            return
+        seen.add(id(fn))
+        scope = getattr(fn, "__globals__", None)
+        if scope is not None and scope.get("fail") is not None:  # a generated program
+            for value in list(scope.values()):
+                if getattr(value, "compiled_group", False) and value.compiled():
+                    count += 1
+                if callable(value):
+                    walk(value, depth + 1)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if callable(value):
+                walk(value, depth + 1)
+
+    walk(exe._program._call)
+    return count

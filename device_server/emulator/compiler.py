@@ -7,6 +7,7 @@ Planning happens once, in :func:`compile_module`:
   and ops that return their operand unchanged (same-shape ``reshape``/``bitcast``/
   ``convert``/``concatenate``/``slice``, identity ``transpose``/``broadcast``) reuse their
   operand's slot instead of running; a reshape of a reshape reshapes the first one's operand;
+  a slice that takes one operand of a concatenate whole is that operand;
 * a ``broadcast`` whose users are all element-wise ops that broadcast like numpy (and have
   another operand of the full shape) is not expanded: its operand, or a reshaped view of it,
   goes to the users (``_lazy_broadcasts``);
@@ -589,6 +590,7 @@ class _Compiler:
             for i in c.instructions:
                 for callee in i.called_computations:
                     self.callers[callee] = self.callers.get(callee, 0) + 1
+        self.repeated = _loop_bodies(module)
 
     def mark_in_place(self, body: ir_pb2.Computation) -> tuple[tuple[int, ...], ...]:
         """The loop-state elements (paths of tuple indices: a TensorList is itself a tuple of
@@ -832,6 +834,17 @@ class _Compiler:
                 if (op in _FORWARDING and len(in_slots) == 1) or _is_identity(instr, operands):
                     slot_of[instr.id] = in_slots[0]
                     continue
+                if op == "slice" and operands[0].opcode == "concatenate" \
+                        and operands[0].opcode != fault:
+                    # A slice that takes one operand of a concatenate whole is that operand
+                    # (XLA's simplifier does the same): the index vectors a dynamic-slice's
+                    # starts are built into and taken out of again in every loop step.
+                    picked = _sliced_operand(instr, operands[0], by_id)
+                    if picked is not None:
+                        slot_of[instr.id] = slot_of[picked]
+                        if picked in reshaped:
+                            reshaped[instr.id] = reshaped[picked]
+                        continue
                 if op == "get-tuple-element" and operands[0].opcode == "tuple" \
                         and operands[0].opcode != fault:
                     idx = int(instr.attrs["index"].i) if "index" in instr.attrs else 0
@@ -929,7 +942,8 @@ class _Compiler:
         # Steps that rewriting (reshape chains) left without users.
         raw_steps = _used_steps(raw_steps, root_slot)
         consts_now = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
-        raw_steps = self._fuse(raw_steps, slot_dims, slot_dtypes, consts_now, root_slot)
+        raw_steps = self._fuse(raw_steps, slot_dims, slot_dtypes, consts_now, root_slot,
+                               small=comp.id in self.repeated, new_slot=new_slot)
         raw_steps = _dots_into_fused(raw_steps, root_slot, slot_dims, slot_dtypes)
         _reuse_buffers(raw_steps, root_slot)
         # A program with a loop may be stopped inside it (cancel.py): it then must not have
@@ -957,9 +971,12 @@ class _Compiler:
 
     def _fuse(self, steps: list[tuple[_Step, ir_pb2.Instruction]], dims: dict[int, tuple[int, ...] | None],
               slot_dtypes: dict[int, np.dtype | None], consts: dict[int, Any],
-              root_slot: int) -> list[tuple[_Step, ir_pb2.Instruction]]:
+              root_slot: int, small: bool = False,
+              new_slot: Callable[[], int] | None = None) -> list[tuple[_Step, ir_pb2.Instruction]]:
         """Replaces groups of element-wise steps over big arrays by one fused step each
-        (``fusion.py``). Not with numerics on (their checks follow each instruction)."""
+        (``fusion.py``); with ``small`` (a loop body, whose steps run once per iteration),
+        also groups of compiled element-wise steps over small arrays (``_fuse_small``).
+        Not with numerics on (their checks follow each instruction)."""
         if self.numerics.active:
             return steps
         fault = self.options.fault_inject_opcode
@@ -979,14 +996,22 @@ class _Compiler:
         ]
         groups = fusion.plan_groups([st.ins for st, _ in steps], [st.out for st, _ in steps],
                                     fusible, dims, {root_slot})
-        if not groups:
+        small_at: dict[int, list[tuple[_Step, ir_pb2.Instruction]]] = {}
+        if small and new_slot is not None and use_jit:
+            small_at = self._fuse_small(steps, exprs, {m for g in groups for m in g.members},
+                                        dims, slot_dtypes, consts, root_slot, new_slot)
+        if not groups and not small_at:
             return steps
         roots = {g.members[-1]: g for g in groups}
         absorbed = {m for g in groups for m in g.members[:-1]}
+        absorbed |= {k for k, made in small_at.items() if not made}
         producer = {st.out: (st, i) for st, i in steps}
         out: list[tuple[_Step, ir_pb2.Instruction]] = []
         for k, (st, instr) in enumerate(steps):
             if k in absorbed:
+                continue
+            if k in small_at:
+                out.extend(small_at[k])
                 continue
             g = roots.get(k)
             if g is None:
@@ -1016,6 +1041,78 @@ class _Compiler:
             fn = fusion.fused_kernel(shape, dt, in_dims, members, jit_inputs)
             out.append((_Step(fn, tuple(in_slots), st.out), instr))
         return _used_steps(out, root_slot)  # broadcasts only fused steps read are gone now
+
+    @staticmethod
+    def _fuse_small(steps: list[tuple[_Step, ir_pb2.Instruction]], exprs: list[str | None],
+                    taken: set[int], dims: dict[int, tuple[int, ...] | None],
+                    slot_dtypes: dict[int, np.dtype | None], consts: dict[int, Any],
+                    root_slot: int, new_slot: Callable[[], int],
+                    ) -> dict[int, list[tuple[_Step, ir_pb2.Instruction]]]:
+        """Groups of element-wise steps over small arrays (below ``fusion.MIN_ELEMENTS``)
+        that all have a compiled form, as one compiled loop each (``fusion.small_kernel``):
+        in a loop body each numpy call costs about a microsecond whatever its size, and an
+        optimizer's update of a small variable is a dozen of them. Maps each group's last
+        step to the steps that replace the group there (the loop, then one step taking
+        each exported value out of its results), and its other members to ``[]``."""
+        fusible = []
+        for k, ((st, _), expr) in enumerate(zip(steps, exprs, strict=True)):
+            d = dims.get(st.out)
+            fusible.append(expr is not None and k not in taken and d is not None and len(d) > 0
+                           and 0 < math.prod(d) < fusion.MIN_ELEMENTS)
+        groups = fusion.plan_small_groups([st.ins for st, _ in steps], [st.out for st, _ in steps],
+                                          fusible, dims, {root_slot})
+        producer = {st.out: (st, i) for st, i in steps}
+        made: dict[int, list[tuple[_Step, ir_pb2.Instruction]]] = {}
+        for g in groups:
+            # An input that a broadcast made is read from the broadcast's operand when numpy
+            # would broadcast that operand the same way (trailing dimensions).
+            in_slots: list[int] = []
+            in_dims: list[tuple[int, ...]] = []
+            for s in g.inputs:
+                src = _broadcast_source(producer.get(s), dims)
+                if src is not None:
+                    d = dims.get(src[0])
+                    if d is not None and tuple(src[1]) == (1,) * (len(src[1]) - len(d)) + tuple(d):
+                        s = src[0]
+                d = dims.get(s)
+                in_slots.append(s)
+                in_dims.append(d if d is not None else ())
+            in_dtypes = [slot_dtypes.get(s) for s in in_slots]
+            if any(d is None for d in in_dtypes) or any(dims.get(s) is None for s in in_slots):
+                continue
+            index = {s: j for j, s in enumerate(in_slots)}
+            for s, t in zip(g.inputs, in_slots, strict=True):
+                index[s] = index[t]
+            members = []
+            for n, m in enumerate(g.members):
+                mst, minstr = steps[m]
+                members.append(fusion.Member(mst.fn, getattr(mst.fn, "ufunc", None),
+                                             tuple(index[s] for s in mst.ins),
+                                             _shape_of(minstr.shape)[0], exprs[m]))
+                index[mst.out] = len(in_slots) + n
+            jit_inputs = [(d, consts[s] if s in consts and np.size(consts[s]) == 1 else None)
+                          for d, s in zip(in_dtypes, in_slots, strict=True)]
+            last = steps[g.members[-1]][1]
+            shape = _shape_of(last.shape)[1]
+            fn = fusion.small_kernel(shape, in_dims, members, jit_inputs,
+                                     [g.members.index(e) for e in g.exports])
+            if fn is None:
+                continue
+            if len(g.exports) == 1:
+                e_st, e_instr = steps[g.exports[0]]
+                replaced = [(_Step(fn, tuple(in_slots), e_st.out), e_instr)]
+            else:
+                results = new_slot()
+                dims[results] = None
+                slot_dtypes[results] = None
+                replaced = [(_Step(fn, tuple(in_slots), results), last)]
+                for n, e in enumerate(g.exports):
+                    e_st, e_instr = steps[e]
+                    replaced.append((_Step(_item(n), (results,), e_st.out, f"{{0}}[{n}]"), e_instr))
+            for m in g.members:
+                made[m] = []
+            made[g.members[-1]] = replaced
+        return made
 
     def _kernel(self, ctx: _Context) -> Callable[[Sequence[Any]], Any]:
         """The kernel of ``ctx.instr`` from its factory; with dynamic dimensions, one that
@@ -1113,6 +1210,37 @@ def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) 
     return False
 
 
+def _sliced_operand(instr: ir_pb2.Instruction, concat: ir_pb2.Instruction,
+                    by_id: dict[int, ir_pb2.Instruction]) -> int | None:
+    """The id of the operand of ``concat`` that the slice ``instr`` takes whole (the same
+    dtype and shape), or None."""
+    shapes = [instr.shape, concat.shape] + [by_id[o].shape for o in concat.operands]
+    if any(s.is_tuple or dynamic.has_dynamic(s) or s.dtype != instr.shape.dtype for s in shapes):
+        return None
+    if not all(k in instr.attrs for k in ("start_indices", "limit_indices")) \
+            or "dimension" not in concat.attrs:
+        return None
+    starts = tuple(int(v) for v in instr.attrs["start_indices"].ints.values)
+    limits = tuple(int(v) for v in instr.attrs["limit_indices"].ints.values)
+    strides = tuple(int(v) for v in instr.attrs["strides"].ints.values) \
+        if "strides" in instr.attrs else (1,) * len(starts)
+    axis = int(concat.attrs["dimension"].i)
+    dims = tuple(int(d) for d in instr.shape.dims)
+    if any(st != 1 for st in strides) or not 0 <= axis < len(dims) or len(starts) != len(dims):
+        return None
+    offset = 0
+    for o in concat.operands:
+        od = tuple(int(d) for d in by_id[o].shape.dims)
+        if od == dims and starts[axis] == offset and all(
+                (a, b) == (0, d) for k, (a, b, d) in enumerate(zip(starts, limits, od, strict=True))
+                if k != axis):
+            return o
+        if len(od) != len(dims):
+            return None
+        offset += od[axis]
+    return None
+
+
 def _element(instr: ir_pb2.Instruction | None,
              by_id: dict[int, ir_pb2.Instruction]) -> ir_pb2.Instruction | None:
     """``instr``, or what a get-tuple-element of a tuple made in the same computation reads."""
@@ -1195,6 +1323,28 @@ def _add_into_slice(comp: ir_pb2.Computation, next_id: list[int]) -> ir_pb2.Comp
         del new.operands[:]
         new.operands.extend([x_id, total.id, *index])
     return out
+
+
+def _loop_bodies(module: ir_pb2.Module) -> set[int]:
+    """The computations that run once per iteration of a ``while``: its bodies, and what
+    they call (``call``, ``conditional``, nested loops)."""
+    comps = {c.id: c for c in module.computations}
+    stack = [i.called_computations[1] for c in module.computations for i in c.instructions
+             if i.opcode == "while" and len(i.called_computations) == 2]
+    found: set[int] = set()
+    while stack:
+        cid = stack.pop()
+        if cid in found or cid not in comps:
+            continue
+        found.add(cid)
+        stack.extend(callee for i in comps[cid].instructions
+                     if i.opcode in ("call", "conditional", "while") for callee in i.called_computations)
+    return found
+
+
+def _item(n: int) -> Callable[[Sequence[Any]], Any]:
+    """The kernel taking value ``n`` out of a multi-output step's results."""
+    return lambda ops: ops[0][n]
 
 
 def _used_steps(

@@ -19,10 +19,17 @@ run as compiled loops over the block instead, with the same results.
 Planned by :func:`plan_groups` when a computation is compiled; :func:`fused_kernel` makes the
 step's function. Only big outputs (at least :data:`MIN_ELEMENTS`) are fused: below that the
 arrays stay in cache anyway and a single numpy call is cheaper than the block loop.
+
+In a loop body the small arrays are fused too, differently (:func:`plan_small_groups`,
+:func:`small_kernel`): a body runs once per step in Python, and its numpy calls on small
+arrays cost about a microsecond each whatever their size, so a small model's step is mostly
+the cost of calling. A group of compiled members (all must have a compiled form) runs as one
+compiled loop nest over the whole result, and may have several outputs.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +39,8 @@ import numpy as np
 
 from device_server.emulator import jit, parallel
 
-__all__ = ["BLOCK_ELEMENTS", "MIN_ELEMENTS", "Group", "Member", "fused_kernel", "plan_groups"]
+__all__ = ["BLOCK_ELEMENTS", "MIN_ELEMENTS", "Group", "Member", "SmallGroup", "fused_kernel", "plan_groups",
+           "plan_small_groups", "small_kernel"]
 
 # Elements of one block of the output (128 KiB of float32: a few of them fit in L2).
 BLOCK_ELEMENTS = 1 << 15
@@ -119,6 +127,132 @@ def plan_groups(
         groups.append(Group(order, tuple(inputs)))
     groups.sort(key=lambda g: g.members[-1])
     return groups
+
+
+@dataclass(frozen=True)
+class SmallGroup:
+    """Steps ``members`` (in program order; the group runs where the last one was), their
+    ``inputs`` (slots) and ``exports``: the members whose values steps outside the group
+    (or the computation's result) read, in order."""
+
+    members: tuple[int, ...]
+    inputs: tuple[int, ...]
+    exports: tuple[int, ...]
+
+
+def plan_small_groups(
+    ins: Sequence[tuple[int, ...]],
+    outs: Sequence[int],
+    fusible: Sequence[bool],
+    dims: dict[int, tuple[int, ...] | None],
+    keep: set[int],
+) -> list[SmallGroup]:
+    """Groups of element-wise steps over small arrays to run as one compiled loop each
+    (:func:`small_kernel`), where each step's own kernel call costs more than its
+    arithmetic: an optimizer's update of a small variable is a dozen such steps.
+
+    ``fusible[k]``: step ``k`` has a compiled form and a small output (the caller decides).
+    Steps join in program order: a step joins the group of one of its operands' producers
+    when its output has that group's shape and no step outside the group reads a member's
+    value before this step (the group runs at its last member's place, so every value it
+    reads is made before that, and every value it makes is read after). Several members
+    may be read outside (multi-output groups: an Adam update makes the new moments and the
+    new weights in one loop). Values in ``keep`` count as read at the end."""
+    n = len(outs)
+    producer = {o: k for k, o in enumerate(outs)}
+    readers: dict[int, list[int]] = {}
+    for k, slots in enumerate(ins):
+        for s in slots:
+            readers.setdefault(s, []).append(k)
+    for s in keep:
+        readers.setdefault(s, []).append(n)
+    group_of: dict[int, int] = {}
+    members: list[list[int]] = []
+    # For each group, a heap of the steps outside it that read its members' values: it may
+    # take a step k only while none of them comes before k (k itself then joins).
+    later: list[list[int]] = []
+    for k in range(n):
+        if not fusible[k]:
+            continue
+        shape = dims.get(outs[k])
+        found: set[int] = set()  # the groups of its operands' producers, of its shape
+        for s in ins[k]:
+            p = producer.get(s)
+            if p is not None and p in group_of and dims.get(outs[p]) == shape:
+                found.add(group_of[p])
+        open_ = sorted((g for g in found if later[g][0] >= k), key=lambda g: -members[g][-1])
+        # All the groups it reads from at once (the moments and the weights of one update
+        # meet in its last steps), else the latest one, else a group of its own.
+        chosen = open_ if len(open_) == len(found) else open_[:1]
+        if not chosen:
+            group_of[k] = len(members)
+            members.append([k])
+            later.append(sorted(readers.get(outs[k], [])) or [n])
+            continue
+        target = chosen[0]
+        for g in chosen[1:]:
+            for m in members[g]:
+                group_of[m] = target
+            members[target].extend(members[g])
+            later[target].extend(later[g])
+            members[g], later[g] = [], [n]
+        members[target].sort()
+        members[target].append(k)
+        group_of[k] = target
+        heap = [r for r in later[target] if r != k] + readers.get(outs[k], [])
+        heapq.heapify(heap)
+        later[target] = heap or [n]
+    groups = []
+    for ms in members:
+        if len(ms) < 2:
+            continue
+        inside = set(ms)
+        made = {outs[m] for m in ms}
+        inputs: list[int] = []
+        for m in ms:
+            for s in ins[m]:
+                if s not in made and s not in inputs:
+                    inputs.append(s)
+        exports = tuple(m for m in ms if any(r not in inside for r in readers.get(outs[m], ())))
+        groups.append(SmallGroup(tuple(ms), tuple(inputs), exports))
+    return groups
+
+
+def small_kernel(
+    shape: tuple[int, ...],
+    input_dims: Sequence[tuple[int, ...]],
+    members: Sequence[Member],
+    jit_inputs: Sequence[tuple[np.dtype, Any]],
+    exports: Sequence[int],
+) -> Callable[[Sequence[Any]], Any] | None:
+    """The function of a small group (:func:`plan_small_groups`): takes the group's inputs,
+    returns the exported members' values (``exports``: indices into ``members``; a tuple
+    when there are several), computed by one compiled loop nest (``jit.group_function``),
+    bit for bit what the members' own kernels give. ``jit_inputs``: each input's dtype and,
+    for a one-element constant, its value. None when the loop does not compile (the members
+    then stay as they are)."""
+    n_in = len(input_dims)
+
+    def numpy_path(ops: Sequence[Any]) -> Any:
+        """The members one after another with their own kernels (inputs the compiled loop
+        cannot take)."""
+        vals = list(ops)
+        for m in members:
+            args = [vals[j] for j in m.args]
+            vals.append(m.ufunc(*args) if m.ufunc is not None else m.fn(args))
+        if len(exports) == 1:
+            return vals[n_in + exports[0]]
+        return tuple(vals[n_in + e] for e in exports)
+
+    if any(m.expr is None or m.dtype is None for m in members):
+        return None
+    nodes = [jit.Node(m.expr, m.args, np.dtype(m.dtype), _numpy_runner(m)) for m in members]
+    inputs = [(np.dtype(d), tuple(dims), c) for (d, c), dims
+              in zip(jit_inputs, input_dims, strict=True)]
+    run = jit.group_function(tuple(shape), inputs, nodes, list(exports), numpy_path)
+    if run is not None:
+        run.compiled_group = True  # type: ignore[attr-defined]
+    return run
 
 
 def _blocking(

@@ -68,6 +68,30 @@ def _split_leading_sum(rows: int, kept_shape: tuple[int, ...], dt: np.dtype) -> 
 
 
 
+def _compiled_row_sum(in_shape: tuple[int, ...], dt: np.dtype) -> KernelFn | None:
+    """A float32 sum over the rows of a 2-D array (a Dense layer's bias gradient) as one
+    compiled loop (``jit.row_sum``: numpy's float64 sum, bit for bit), which costs a fifth of
+    numpy's casting reduction on small arrays; None when the jit is off. An operand that is
+    not C-ordered (numpy would then sum it in another order) takes numpy's path."""
+    from device_server.emulator import jit  # noqa: PLC0415 (it imports the kernels)
+
+    kernel = jit.row_sum()
+    if kernel is None:
+        return None
+    cols = in_shape[1]
+    f64 = np.dtype(np.float64)
+
+    def run(ops: Sequence[Any]) -> np.ndarray:
+        x = ops[0]
+        if not (isinstance(x, np.ndarray) and x.dtype == dt and x.flags.c_contiguous):
+            return np.add(np.add.reduce(x, axis=(0,), dtype=f64), ops[1]).astype(dt)
+        out = np.empty(cols, dt)
+        kernel(x, float(ops[1]), out)
+        return out
+
+    return run
+
+
 @register("reduce")
 def _reduce(ctx: KernelContext) -> KernelFn:
     n = len(ctx.operand_shapes) // 2
@@ -100,6 +124,10 @@ def _reduce(ctx: KernelContext) -> KernelFn:
             lead_rows = int(np.prod(in_shape[: len(dims)], dtype=np.int64))
             if dims == tuple(range(len(dims))) and int(np.prod(in_shape, dtype=np.int64)) >= _SPLIT_REDUCE_ELEMENTS:
                 return _split_leading_sum(lead_rows, kept_shape, dt)
+            if rank == 2 and dims == (0,) and in_shape[1] >= 2:
+                fn = _compiled_row_sum(in_shape, dt)
+                if fn is not None:
+                    return fn
             return inline(
                 lambda ops: np.add(np.add.reduce(ops[0], axis=dims, dtype=np.float64), ops[1]).astype(dt),
                 "{u}({r}({0}, axis={d}, dtype={w}), {1}).astype({t})",
