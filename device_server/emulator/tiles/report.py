@@ -86,7 +86,8 @@ ASSUMPTIONS = (
 REPLICA_ASSUMPTIONS = (
     "replicas: the program is one replica's; memory and time are per IPU, every replica "
     "running the same program at once",
-    "all-reduce: one unidirectional ring over the replicas' IPUs in ascending id order, "
+    "all-reduce: one unidirectional ring over the replicas' IPUs, the faster of ascending id "
+    "order and the ladder's (even ids up, odd ids down), "
     "2 (R - 1) steps of B / R bytes at the slowest ring arrow's bandwidth (a path of several "
     "hops at its slowest hop's, shared evenly by the arrows crossing it the same way), each "
     "step paying its path's hop latencies, the external sync and "
