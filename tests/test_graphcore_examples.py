@@ -823,7 +823,6 @@ def _user_guide(run: Run, create_model, dataset_fn, fit_kwargs: dict, compile_kw
                 before_fit=None, seed: int = 8) -> None:
     """Trains the user guide's model on the CPU, then under IPUStrategy, and compares."""
     import keras
-    from tensorflow.python import ipu
 
     def train(on_ipu: bool):
         dataset = dataset_fn()
@@ -842,16 +841,30 @@ def _user_guide(run: Run, create_model, dataset_fn, fit_kwargs: dict, compile_kw
         history = model.fit(dataset, verbose=0, **fit_kwargs)
         return model, history.history["loss"]
 
+    _cpu_then_ipu(run, train, seed)
+
+
+def _cpu_then_ipu(run: Run, train, seed: int, ipus: int = 1) -> None:
+    """``train(False)`` on the CPU, then ``train(True)`` in IPUStrategy's scope on ``ipus``
+    IPUs (the system goes back to one after), from the same seed; compares their History
+    losses and final weights."""
+    import keras
+    from tensorflow.python import ipu
+
     keras.utils.set_random_seed(seed)
     reference, cpu_loss = train(False)
-
     config = ipu.config.IPUConfig()
-    config.auto_select_ipus = 1
+    config.auto_select_ipus = ipus
     config.configure_ipu_system()
     strategy = ipu.ipu_strategy.IPUStrategy()
     keras.utils.set_random_seed(seed)
-    with strategy.scope():
-        model, ipu_loss = train(True)
+    try:
+        with strategy.scope():
+            model, ipu_loss = train(True)
+    finally:
+        if ipus != 1:
+            config.auto_select_ipus = 1
+            config.configure_ipu_system()
     run.losses("History loss", ipu_loss, cpu_loss)
     run.arrays("weights", model.get_weights(), reference.get_weights())
 
@@ -964,21 +977,7 @@ def _pipelined_user_guide(run: Run, create_model, options, seed: int = 9) -> Non
         history = model.fit(_user_guide_dataset(tf), epochs=2, steps_per_epoch=16, verbose=0)
         return model, history.history["loss"]
 
-    keras.utils.set_random_seed(seed)
-    reference, cpu_loss = train(False)
-    config = ipu.config.IPUConfig()
-    config.auto_select_ipus = 2
-    config.configure_ipu_system()
-    strategy = ipu.ipu_strategy.IPUStrategy()
-    keras.utils.set_random_seed(seed)
-    try:
-        with strategy.scope():
-            model, ipu_loss = train(True)
-    finally:
-        config.auto_select_ipus = 1
-        config.configure_ipu_system()
-    run.losses("History loss", ipu_loss, cpu_loss)
-    run.arrays("weights", model.get_weights(), reference.get_weights())
+    _cpu_then_ipu(run, train, seed, ipus=2)
 
 
 def example_user_guide_7(run: Run) -> None:
