@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import keras
 import numpy as np
+
+
+@contextlib.contextmanager
+def attached_ipus(cfg, count: int, recompute: bool = False) -> Iterator[None]:
+    """The process's IPU system (``cfg``, the suite's IPUConfig) with ``count`` IPUs (and
+    ``allow_recompute``) for the block; one IPU, no recomputation after it."""
+    cfg.auto_select_ipus = count
+    cfg.allow_recompute = recompute
+    cfg.configure_ipu_system()
+    try:
+        yield
+    finally:
+        cfg.auto_select_ipus = 1
+        cfg.allow_recompute = False
+        cfg.configure_ipu_system()
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:

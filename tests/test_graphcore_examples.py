@@ -79,6 +79,7 @@ message_passing_neural_network/*); cifar10/cifar10_ipu_strategy.py (SDK 2.0's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -291,6 +292,21 @@ def example_keras_demo_faster(run: Run) -> None:
     run.arrays("weights", model.get_weights(), reference.get_weights())
 
 
+@contextlib.contextmanager
+def _ipu_strategy(ipu, count: int):
+    """Graphcore's calls: ``auto_select_ipus = count``, configure, an IPUStrategy; the system
+    goes back to one IPU after the block (the next example may not configure it)."""
+    config = ipu.config.IPUConfig()
+    config.auto_select_ipus = count
+    config.configure_ipu_system()
+    try:
+        yield ipu.ipu_strategy.IPUStrategy()
+    finally:
+        if count != 1:
+            config.auto_select_ipus = 1
+            config.configure_ipu_system()
+
+
 def _many_ipu_demo(run: Run, keras, ipu, num_ipus: int, num_replicas: int, model_fn,
                    plain_model_fn, train, test, train_spe: int, test_spe: int, batch_size: int,
                    seed: int, before_compile=None) -> None:
@@ -302,12 +318,8 @@ def _many_ipu_demo(run: Run, keras, ipu, num_ipus: int, num_replicas: int, model
     step: evaluate is, against the CPU's evaluation of the trained weights
     (``plain_model_fn()``: the model without stages) on the last replica's batches (the
     default metric reduction reports the last replica's)."""
-    ipu_config = ipu.config.IPUConfig()
-    ipu_config.auto_select_ipus = num_ipus
-    ipu_config.configure_ipu_system()
-    strategy = ipu.ipu_strategy.IPUStrategy()
     keras.utils.set_random_seed(seed)
-    try:
+    with _ipu_strategy(ipu, num_ipus) as strategy:
         with strategy.scope():
             model = keras.Model(*model_fn())
             if before_compile is not None:
@@ -319,9 +331,6 @@ def _many_ipu_demo(run: Run, keras, ipu, num_ipus: int, num_replicas: int, model
             model.compile("sgd", "categorical_crossentropy", metrics=["accuracy"],
                           steps_per_execution=test_spe)
             evaluated = model.evaluate(*test, batch_size=batch_size, verbose=0)
-    finally:
-        ipu_config.auto_select_ipus = 1
-        ipu_config.configure_ipu_system()
     losses = history.history["loss"]
     run.true("History: 3 finite epoch losses", len(losses) == 3 and all(np.isfinite(losses)),
              losses)
@@ -853,18 +862,10 @@ def _cpu_then_ipu(run: Run, train, seed: int, ipus: int = 1) -> None:
 
     keras.utils.set_random_seed(seed)
     reference, cpu_loss = train(False)
-    config = ipu.config.IPUConfig()
-    config.auto_select_ipus = ipus
-    config.configure_ipu_system()
-    strategy = ipu.ipu_strategy.IPUStrategy()
-    keras.utils.set_random_seed(seed)
-    try:
+    with _ipu_strategy(ipu, ipus) as strategy:
+        keras.utils.set_random_seed(seed)
         with strategy.scope():
             model, ipu_loss = train(True)
-    finally:
-        if ipus != 1:
-            config.auto_select_ipus = 1
-            config.configure_ipu_system()
     run.losses("History loss", ipu_loss, cpu_loss)
     run.arrays("weights", model.get_weights(), reference.get_weights())
 

@@ -10,28 +10,18 @@ CPU; weights within 1e-4 relative L2 (FP32).
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
+from keras_util import attached_ipus
 
 RNG = np.random.default_rng(5)
 X = RNG.normal(size=(64, 6)).astype("float32")
 Y = RNG.normal(size=(64, 2)).astype("float32")
 
 
-@contextlib.contextmanager
 def ipus(cfg, count: int, recompute: bool = False):
     """The process's IPU system with ``count`` IPUs for the block."""
-    cfg.auto_select_ipus = count
-    cfg.allow_recompute = recompute
-    cfg.configure_ipu_system()
-    try:
-        yield
-    finally:
-        cfg.auto_select_ipus = 1
-        cfg.allow_recompute = False
-        cfg.configure_ipu_system()
+    return attached_ipus(cfg, count, recompute)
 
 
 def _sequential():

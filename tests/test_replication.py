@@ -9,26 +9,18 @@ Reference: plain Keras on the CPU at that effective batch; weights within 1e-4 r
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
+from keras_util import attached_ipus
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(96, 6)).astype("float32")
 Y = RNG.normal(size=(96, 2)).astype("float32")
 
 
-@contextlib.contextmanager
 def replicas(cfg, count: int):
     """The process's IPU system with ``count`` IPUs (one replica each) for the block."""
-    cfg.auto_select_ipus = count
-    cfg.configure_ipu_system()
-    try:
-        yield
-    finally:
-        cfg.auto_select_ipus = 1
-        cfg.configure_ipu_system()
+    return attached_ipus(cfg, count)
 
 
 def _model():
