@@ -136,6 +136,7 @@ setup(
     package_dir={"tf_ipu_ops": "ops/python"},
     package_data={"device_server.protocol": ["*.pyi"]},
     install_requires=INSTALL_REQUIRES,
+    extras_require={"onnx": ["onnx==1.23.2"]},  # tf_ipu.onnx (imports no TensorFlow)
     entry_points={"console_scripts": ["device_server = device_server.__main__:main"]},
     cmdclass={"build_py": BuildPy},
     distclass=BinaryDistribution,

@@ -359,6 +359,12 @@ class DeviceRuntime:
                     raise raised from None
         raise AssertionError("unreachable")
 
+    def embedded_server_address(self) -> str:
+        """The address of this process's embedded device server, started now if it does not
+        run (the ONNX front end, ``tf_ipu.onnx``, shares it with Keras programs)."""
+        with self._lock:
+            return self._ensure_local_server(self._config)
+
     def _ensure_local_server(self, cfg: Any = None) -> str:
         """The address of the embedded server, started now if it does not run (with the
         disk cache folder of ``cfg``, see ``local_server_args``). A running one keeps the
