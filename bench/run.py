@@ -39,6 +39,8 @@ BENCHES = {
     "disk_cache": lambda quick: __import__("bench.bench_disk_cache", fromlist=["main"]).main(quick),
     "replication": lambda quick: __import__("bench.bench_replication", fromlist=["main"]).main(quick),
     "pipelining": lambda quick: __import__("bench.bench_pipelining", fromlist=["main"]).main(quick),
+    "calibration": lambda quick: __import__("bench.bench_calibration", fromlist=["main"]).main(quick),
+    "onnx": lambda quick: __import__("bench.bench_onnx", fromlist=["main"]).main(quick),
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

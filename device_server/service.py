@@ -840,15 +840,17 @@ class DeviceService:
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
             allow_oom = request.options.allow_out_of_memory
             numerics = _numerics_options(request.options)
+            planning = _planning_options(request.options)
             pipeline = _pipeline_options(request.options, module.name)
             replication = self._replication(s, request.options.replicas, module.name,
                                             pipeline.get("ipus_per_replica", 1))
             key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom,
-                            {**numerics, **_replication_key(replication), **pipeline})
+                            {**numerics, **_replication_key(replication), **pipeline,
+                             **{k: f"{v!r}" for k, v in planning.items()}})
             target = s.target
             options = CompileOptions(
                 refuse_opcodes=refuse, fault_inject_opcode=fault, allow_out_of_memory=allow_oom,
-                **numerics, **replication, **pipeline,
+                **numerics, **planning, **replication, **pipeline,
             )
 
             from_disk: list[bool] = []
@@ -1515,6 +1517,22 @@ def _numerics_options(options: device_pb2.CompileOptions) -> dict[str, Any]:
     return out
 
 
+def _planning_options(options: device_pb2.CompileOptions) -> dict[str, float]:
+    """The emulator ``CompileOptions`` fields of PopLibs' availableMemoryProportion (only those
+    the request sets: unset is the preset's), checked to be in [0, 1]."""
+    out: dict[str, float] = {}
+    for name in ("matmul_available_memory_proportion", "convolution_available_memory_proportion"):
+        if not options.HasField(name):
+            continue
+        value = float(getattr(options, name))
+        if not 0.0 <= value <= 1.0:  # also NaN
+            raise ServiceError(_INVALID, f"Compile: CompileOptions.{name} must be in [0, 1] "
+                               f"(availableMemoryProportion), not {value!r}.",
+                               kind="invalid-options")
+        out[name] = value
+    return out
+
+
 def _pipeline_options(options: device_pb2.CompileOptions, module_name: str) -> dict[str, Any]:
     """The emulator ``CompileOptions`` fields of a pipelined program (empty when it is not
     pipelined), checked: a stage mapped to an IPU the replica does not span, a schedule of
@@ -1540,7 +1558,18 @@ def _pipeline_options(options: device_pb2.CompileOptions, module_name: str) -> d
                            kind="invalid-options")
     return {"pipeline_stages": stages, "stage_ipus": stage_ipus, "ipus_per_replica": per_replica,
             "pipeline_schedule": schedule, "micro_batches": max(1, int(options.micro_batches)),
-            "recomputation": bool(options.recomputation)}
+            "recomputation": bool(options.recomputation),
+            **_optimizer_state_options(options, where)}
+
+
+def _optimizer_state_options(options: device_pb2.CompileOptions, where: str) -> dict[str, Any]:
+    """A pipelined program's optimizer-state placement (offload and sharding), checked."""
+    offload = options.optimizer_state_offload or "auto"
+    if offload not in ("auto", "on", "off"):
+        raise ServiceError(_INVALID, f"{where}: optimizer_state_offload must be 'auto', 'on' "
+                           f"or 'off', not {offload!r}.", kind="invalid-options")
+    return {"optimizer_state_offload": offload,
+            "optimizer_state_sharding": bool(options.optimizer_state_sharding)}
 
 
 def _replication_key(replication: dict[str, Any]) -> dict[str, Any]:

@@ -115,7 +115,13 @@ def test_keras_ipu_is_one_namespace_through_keras_and_tf_keras():
     assert keras.ipu.layers.Dense is tf_keras.ipu.layers.Dense is Dense
     assert issubclass(Dense, keras.layers.Dense)
     assert keras.ipu.PipelineStage is tf_keras.ipu.PipelineStage  # pipelining is here
-    assert not hasattr(keras.ipu, "NestedModelPipelineStageAssignment")  # not yet: no placeholder
+    # Graphcore's nested models' assignments are here too (tf_ipu.pipelining)...
+    assert keras.ipu.FunctionalNestedModelPipelineStageAssignment is \
+        tf_keras.ipu.FunctionalNestedModelPipelineStageAssignment
+    assert issubclass(keras.ipu.FunctionalNestedModelPipelineStageAssignment,
+                      keras.ipu.NestedModelPipelineStageAssignment)
+    assert keras.ipu.SequentialNestedModelPipelineStageAssignment
+    assert not hasattr(keras.ipu, "extensions")  # ... Graphcore's internals are not: no placeholder
 
 
 def test_reset_ipu_seed_makes_two_runs_with_dropout_bit_identical(ipu_system):

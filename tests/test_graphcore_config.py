@@ -64,6 +64,7 @@ HONOURED = {
     "floating_point_behaviour.oflo", "floating_point_behaviour.esr",
     "floating_point_behaviour.nanoo", "floating_point_behaviour.set_all",
     "ipu_model.tiles_per_ipu", "ipu_model.version",
+    "matmuls.poplar_options", "convolutions.poplar_options",  # partialsType, availableMemoryProportion
 }
 
 

@@ -65,10 +65,12 @@ Graphcore's single-IPU TF2 examples found, and where they are here (repository/p
   (ResNet50's stage assignment): ``example_user_guide_7`` .. ``_9``
 - .../keras/completed_demos/completed_demo_pipelining.py: ``example_keras_demo_pipelining``
   (2 replicas of a 2-IPU pipeline)
+- the model-parallelism tech note's TF2 scripts and recomputation_checkpoints/
+  recompute_lstm.py: tests/test_graphcore_pipelined_examples.py
 
 Skipped: keras/ipu/docs example11, 12, als_example3, exporting_pipelined_*;
 completed_example/main.py, tensorboard/demo.py,
-embeddings/imdb.py and imdb_sequential.py, recomputation_checkpoints/recompute_lstm.py,
+embeddings/imdb.py and imdb_sequential.py,
 popdist/*, ipu_estimator/*_replica.py and *_pipeline_*.py, abc_covid_19/ABC_IPU.py);
 ``tf.compat.v1`` / estimator ones (ipu_estimator/cifar10_ipu_estimator.py,
 recompilation/recompilation.py); SDK 2's ``ipu.keras.Sequential`` / ``ipu.keras.layers`` ones

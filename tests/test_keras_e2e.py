@@ -7,6 +7,7 @@ L2. The emulator follows XLA's semantics, the CPU reference does not, so roundin
 
 from __future__ import annotations
 
+import logging
 import math
 
 import keras
@@ -114,6 +115,57 @@ def test_device_calls_per_epoch(strategy, n):
     assert len(hist.history["loss"]) == 2
     # Callbacks run once per device call, as Keras does with steps_per_execution.
     assert len(batches) == 2 * math.ceil(steps / n)
+
+
+def test_fewer_steps_than_steps_per_execution_run_only_those(strategy, caplog):
+    """Graphcore's Keras lowers ``steps_per_execution`` to the steps a call is asked for,
+    with a warning (graphcore/keras, keras/ipu/extensions/data_adapter.py): predict(steps=2)
+    on a repeated dataset gives 2 batches of predictions in one device call (Keras 3 on the
+    CPU would run 10 steps, 20 batches); evaluate(steps=2) and fit(steps_per_epoch=2) run 2
+    steps, as the CPU does with one step per execution."""
+    import tensorflow as tf
+
+    x, y = classification_data(96, (16,), seed=11)  # 12 batches of 8
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True).repeat()
+    ref, ipu = _pair(mlp, strategy, _sgd, "sparse_categorical_crossentropy", 10)
+    with caplog.at_level(logging.WARNING, logger="tf_ipu"):
+        before = _executions()
+        got = ipu.predict(data.map(lambda a, b: a), steps=2, verbose=0)
+        assert _executions() - before == 1
+    assert got.shape == (16, 4)
+    assert rel_l2(got, ref.predict(x[:16], verbose=0)) <= 1e-5
+    lowered = [r.getMessage() for r in caplog.records if "lowered" in r.getMessage()]
+    assert len(lowered) == 1, lowered
+    assert f"{ipu.name}.predict: steps_per_execution is 10" in lowered[0]
+    assert "only 2 step(s)" in lowered[0]
+    assert ipu.steps_per_execution == 10  # the model's own, after the call
+    lowered_fn = ipu.predict_function
+    assert lowered_fn.steps_per_execution == 2
+
+    e_ipu = ipu.evaluate(data, steps=2, verbose=0, return_dict=True)
+    e_ref = ref.evaluate(data, steps=2, verbose=0, return_dict=True)
+    assert e_ipu["loss"] == pytest.approx(e_ref["loss"], rel=1e-5)
+
+    batches = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            batches.append(batch)
+
+    before = _executions()
+    h_ipu = ipu.fit(data, steps_per_epoch=2, epochs=2, verbose=0, callbacks=[Count()])
+    assert _executions() - before == 2  # one call of 2 steps per epoch
+    assert batches == [1, 1]
+    h_ref = ref.fit(data, steps_per_epoch=2, epochs=2, verbose=0)
+    np.testing.assert_allclose(h_ipu.history["loss"], h_ref.history["loss"], rtol=1e-4)
+    for a, b in zip(ipu.get_weights(), ref.get_weights(), strict=True):
+        assert rel_l2(a, b) <= 1e-3
+    # The full steps per execution again when the data has them; the lowered function (and
+    # its compiled programs) is kept for the next call of 2 steps.
+    full = ipu.predict(x, batch_size=8, verbose=0)
+    assert ipu.predict_function.steps_per_execution == 10
+    assert ipu.predict_function.siblings[2] is lowered_fn
+    assert rel_l2(full, ref.predict(x, batch_size=8, verbose=0)) <= 1e-5
 
 
 def test_host_reads_and_writes_reach_the_device(strategy, tmp_path):

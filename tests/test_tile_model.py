@@ -83,7 +83,7 @@ def test_elementwise_is_bound_by_tile_memory_bandwidth() -> None:
     rec = plan.op("add.3")
     (step,) = rec.steps
     per_tile_bytes = 3 * 4096 * 4  # two operands read, one result written
-    floor = per_tile_bytes / t.memory_bytes_per_cycle_per_tile
+    floor = per_tile_bytes / (t.memory_bytes_per_cycle_per_tile * t.library_memory_efficiency)
     compute_only = 4096 / t.vector_fp32_flops_per_cycle_per_tile
     assert floor > compute_only  # the op is memory-bound on this preset
     assert floor <= step.compute <= floor + t.vertex_overhead_cycles + 1

@@ -803,6 +803,8 @@ class DeviceClient:
         allow_out_of_memory: bool = False,
         matmul_partials_type: str = "",
         convolution_partials_type: str = "",
+        matmul_available_memory_proportion: float | None = None,
+        convolution_available_memory_proportion: float | None = None,
         floating_point_behaviour: Mapping[str, bool] | None = None,
         stochastic_rounding_seed: int = 0,
         replicas: int = 1,
@@ -819,6 +821,9 @@ class DeviceClient:
             allow_out_of_memory: compile (and report) even if it does not fit.
             matmul_partials_type, convolution_partials_type: "float" (default) or "half":
                 the accumulator of FP16 matrix products / convolutions.
+            matmul_available_memory_proportion, convolution_available_memory_proportion:
+                PopLibs' availableMemoryProportion (0 .. 1) the tile model plans matrix
+                products / convolutions with (None: the preset's, 0.6).
             floating_point_behaviour: ``inv``, ``div0``, ``oflo``, ``esr``, ``nanoo`` flags
                 (``IPUConfig.floating_point_behaviour``); unnamed flags stay off.
             stochastic_rounding_seed: seed of stochastic rounding (0: from the program).
@@ -847,6 +852,10 @@ class DeviceClient:
             opts.matmul_partials_type = matmul_partials_type
         if convolution_partials_type:
             opts.convolution_partials_type = convolution_partials_type
+        if matmul_available_memory_proportion is not None:
+            opts.matmul_available_memory_proportion = float(matmul_available_memory_proportion)
+        if convolution_available_memory_proportion is not None:
+            opts.convolution_available_memory_proportion = float(convolution_available_memory_proportion)
         for name, value in (floating_point_behaviour or {}).items():
             if name not in ("inv", "div0", "oflo", "esr", "nanoo"):
                 raise ValueError(f"floating_point_behaviour: unknown flag {name!r}.")
@@ -863,6 +872,10 @@ class DeviceClient:
             opts.pipeline_schedule = str(pipeline["schedule"])
             opts.micro_batches = int(pipeline["micro_batches"])
             opts.recomputation = bool(pipeline.get("recomputation", False))
+            offload = pipeline.get("offload")
+            opts.optimizer_state_offload = {True: "on", False: "off", None: "auto"}.get(
+                offload, str(offload or "auto"))
+            opts.optimizer_state_sharding = bool(pipeline.get("sharding", False))
         request = device_pb2.CompileRequest(session_id=self.session_id, options=opts)
         limit = self._session.max_message_bytes if self._session else 0
         if limit > 0 and module.ByteSize() > limit // 2:  # too big for one message: a blob

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -266,56 +267,111 @@ class FloatingPointBehaviour(_Section):
 
 _PARTIALS = ("float", "half")
 
+# PopLibs' option names (poplin's matMul and convolution option specs, SDK 3), which it
+# refuses others than (poplar::invalid_option). The two the emulator honours first.
+_HONOURED_POPLAR = ("availableMemoryProportion", "partialsType")
+_MATMUL_POPLAR = (*_HONOURED_POPLAR, "enableFastReduce", "enableMultiStageReduce",
+                  "fullyConnectedPass", "gatherOutput", "inputRHSIsPreArranged",
+                  "planConstraints", "remapOutputTensor", "use128BitConvUnitLoad")
+_CONV_POPLAR = (*_HONOURED_POPLAR, "disableTransformations", "enableConvDithering",
+                "enableFastReduce", "enableMultiStageReduce", "enableTransformsConvTable",
+                "gatherConvOutput", "insertTransformsCycleCountProgs", "partialsType.interIPU",
+                "partialsType.interTile", "pass", "planConstraints",
+                "planConstraintsOutputFilename", "remapOutputTensor", "use128BitConvUnitLoad")
 
-def _check_poplar_options(path: str, value: Any) -> dict[str, Any]:
+
+def _memory_proportion(what: str, value: Any) -> float:
+    """PopLibs' ``availableMemoryProportion`` (``what`` names where it was given): a number or
+    its string ("0.6"), 0 .. 1."""
+    try:
+        amp = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        amp = math.nan
+    if not 0.0 <= amp <= 1.0:  # also NaN
+        raise ValueError(
+            f"{what} must be a number in [0, 1] (a float or its string, e.g. \"0.6\": the "
+            f"share of a tile's memory a plan may use for temporaries). Received: {value!r}"
+        )
+    return amp
+
+
+def _check_poplar_options(path: str, value: Any, known: tuple[str, ...] = (),
+                          kind: str = "") -> dict[str, Any]:
     """A PopLibs option dict: str keys; ``partialsType`` and ``availableMemoryProportion``
-    (the two the emulator reads) checked here."""
+    (the two the emulator reads) checked here; with ``known`` (the names of PopLibs'
+    ``kind`` options), any other key is refused as PopLibs does, naming it and those."""
     options = _check_type(path, {}, value)
+    if known:
+        for key in options:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                raise ValueError(
+                    f"{path}: {key!r} is not a PopLibs {kind} option."
+                    + (f" Did you mean {close[0]!r}?" if close else "")
+                    + f" Accepted: {', '.join(known)}."
+                )
     partials = options.get("partialsType")
     if partials is not None and str(partials).lower() not in _PARTIALS:
         raise ValueError(f"{path}['partialsType'] must be 'float' or 'half'. Received: {partials!r}")
-    amp = options.get("availableMemoryProportion")
-    if amp is not None:
-        try:
-            ok = 0.0 < float(amp) <= 1.0
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"{path}['availableMemoryProportion'] must be a number in (0, 1]. Received: {amp!r}"
-            )
+    if "availableMemoryProportion" in options:
+        _memory_proportion(f"{path}['availableMemoryProportion']", options["availableMemoryProportion"])
     return options
 
 
 class _PartialsOptions(_Section):
     _fields = {"partials_type": "float", "poplar_options": {}}
-    _notes = {"poplar_options": (Effect.KEPT, "")}  # the reason names the keys (_note)
+    _known: tuple[str, ...] = ()  # the PopLibs option names this group's poplar_options take
+    _kind = ""                    # ... of PopLibs' options of this kind
 
     def _check(self, name: str, value: Any) -> Any:
         if name == "poplar_options":
-            return _check_poplar_options(f"{self._path}.poplar_options", value)
+            options = _check_poplar_options(f"{self._path}.poplar_options", value, self._known,
+                                            self._kind)
+            self._check_agree(options.get("partialsType"), self.partials_type
+                              if self.was_set("partials_type") else None)
+            return options
         key = str(value).lower()
         if key not in _PARTIALS:
             raise ValueError(
                 f"{self._path}.partials_type must be 'float' or 'half'. Received: {value!r}"
             )
+        self._check_agree(self.poplar_options.get("partialsType"), key)
         return key
+
+    def _check_agree(self, poplar: Any, ours: str | None) -> None:
+        """ValueError when ``poplar_options['partialsType']`` and ``partials_type`` (its alias)
+        are both given and say different things."""
+        if poplar is not None and ours is not None and str(poplar).lower() != ours:
+            raise ValueError(
+                f"{self._path}.poplar_options['partialsType'] is {poplar!r} but "
+                f"{self._path}.partials_type is {ours!r}: they are the same option (give one, "
+                f"or the same value to both)."
+            )
 
     def _note(self, name: str, value: Any) -> tuple[Effect, str] | None:
         if name == "poplar_options":
-            kept = sorted(set(value) - {"partialsType"})
+            kept = sorted(set(value) - set(_HONOURED_POPLAR))
             if not kept:
-                return None  # partialsType alone: honoured
-            return (Effect.KEPT, f"the tile model does not plan by PopLibs options yet "
-                    f"({', '.join(kept)}); 'partialsType' is honoured")
+                return None  # partialsType and availableMemoryProportion: honoured
+            return (Effect.KEPT, f"the emulator does not model these PopLibs options "
+                    f"({', '.join(kept)}); 'partialsType' and 'availableMemoryProportion' "
+                    f"are honoured")
         return super()._note(name, value)
 
     @property
     def effective_partials_type(self) -> str:
         """``poplar_options['partialsType']`` if given (Graphcore's spelling), else
-        ``partials_type``."""
+        ``partials_type`` (its alias)."""
         partials = self.poplar_options.get("partialsType")
         return str(partials).lower() if partials is not None else self.partials_type
+
+    @property
+    def available_memory_proportion(self) -> float | None:
+        """``poplar_options['availableMemoryProportion']`` as a float, or None (unset: the
+        preset's, 0.6)."""
+        amp = self.poplar_options.get("availableMemoryProportion")
+        return None if amp is None else _memory_proportion(
+            f"{self._path}.poplar_options['availableMemoryProportion']", amp)
 
 
 class MatmulOptions(_PartialsOptions):
@@ -325,15 +381,19 @@ class MatmulOptions(_PartialsOptions):
         partials_type: "float" (default: FP16 products accumulate in FP32 and are rounded
             once to the result type) or "half" (an FP16 accumulator, rounded after every
             chunk of the AMP's accumulation width: faster on the IPU, less precise).
-        poplar_options: PopLibs ``matMul`` options (Graphcore's spelling): ``partialsType``
-            is honoured (it wins over ``partials_type``); the others, e.g.
-            ``availableMemoryProportion``, are checked and kept.
+        poplar_options: PopLibs ``matMul`` options (Graphcore's spelling, string values):
+            ``partialsType`` ("float" or "half"; ``partials_type`` is its alias, and both
+            given must agree) and ``availableMemoryProportion`` ("0" .. "1", or a float: the
+            share of a tile's memory a plan may use for temporaries; lower: fewer
+            temporaries, more cycles; unset: 0.6) are honoured; PopLibs' other matMul
+            options are checked by name and kept; any other key is refused.
         clear_pass_type: Graphcore's switch that hides the pass type from PopLibs (ignored).
     """
 
     _fields = {"clear_pass_type": False, **_PartialsOptions._fields}
-    _notes = {"clear_pass_type": (Effect.IGNORED, _NO_TILE_PLAN), **_PartialsOptions._notes}
+    _notes = {"clear_pass_type": (Effect.IGNORED, _NO_TILE_PLAN)}
     _path = "IPUConfig.matmuls"
+    _known, _kind = _MATMUL_POPLAR, "matMul"
 
     def _check(self, name: str, value: Any) -> Any:
         if name == "clear_pass_type":
@@ -346,10 +406,13 @@ class ConvolutionOptions(_PartialsOptions):
 
     Attributes:
         partials_type: "float" (default) or "half", as for ``matmuls``.
-        poplar_options: PopLibs convolution options, as for ``matmuls``.
+        poplar_options: PopLibs convolution options, as for ``matmuls``
+            (``partialsType``, ``availableMemoryProportion`` honoured; PopLibs' other
+            convolution options kept; other keys refused).
     """
 
     _path = "IPUConfig.convolutions"
+    _known, _kind = _CONV_POPLAR, "convolution"
 
 
 class _PoplarOptionsOnly(_Section):
@@ -779,10 +842,14 @@ class IPUConfig(_Section):
         return os.environ.get("TF_IPU_SERVER_TOKEN", "")
 
     def compile_numerics(self) -> dict[str, Any]:
-        """The numerics options every compile sends (``DeviceClient.compile`` keywords)."""
+        """The numerics and planning options every compile sends (``DeviceClient.compile``
+        keywords)."""
         return {
             "matmul_partials_type": self.matmuls.effective_partials_type,
             "convolution_partials_type": self.convolutions.effective_partials_type,
+            "matmul_available_memory_proportion": self.matmuls.available_memory_proportion,
+            "convolution_available_memory_proportion":
+                self.convolutions.available_memory_proportion,
             "floating_point_behaviour": self.floating_point_behaviour.flags(),
         }
 

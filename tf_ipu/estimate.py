@@ -42,9 +42,11 @@ or ``steps`` (weight updates), gives the time to train with that configuration.
     per weight update = N x per micro-batch + all-reduce + update
     time to train    = weight updates x per weight update
 
-Not ready yet: pipelining over several IPUs (a pipelined step holds its N micro-batches and
-its update: its time to train will come with the stages' model, not from this one); models
-whose inputs have no static shape apart from the batch dimension.
+A pipelined model (set_pipeline_stage_assignment or PipelineStage scopes) is sized stage by
+stage on its IPUs (docs/tile_model.md, "Pipelines"): its step holds its N micro-batches and
+its update, so its time to train is weight updates x that step. Every estimate names the
+expected error of the operation classes that dominate it (docs/tile_model.md, "Calibration").
+Not ready yet: models whose inputs have no static shape apart from the batch dimension.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # ``python -m tf_ipu.estimate`` runs this module after the package imported it (for
@@ -270,7 +273,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
              replicas: int = 1, system: Any = None, ipu_ids: Sequence[int] = (),
              gradient_accumulation_steps_per_replica: int = 1, dataset_size: int | None = None,
              epochs: float | None = None, steps: int | None = None,
-             recomputation: bool | None = None) -> Estimate | TrainingEstimate:
+             recomputation: bool | None = None,
+             available_memory_proportion: float | str | None = None) -> Estimate | TrainingEstimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
 
     Args:
@@ -303,6 +307,11 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             whether its backward passes recompute forward activations (None:
             ``IPUConfig.allow_recompute`` of the configured system, else off). A pipelined
             model is planned stage by stage on its IPUs (docs/tile_model.md, "Pipelines").
+        available_memory_proportion: PopLibs' ``availableMemoryProportion`` (0 .. 1, a float
+            or its string) for the plans of every matmul and convolution: the share of a
+            tile's memory their temporaries may use (lower: fewer temporaries, more cycles).
+            None: ``IPUConfig.matmuls`` / ``convolutions.poplar_options`` of the configured
+            system, else the preset's 0.6.
 
     Returns:
         An :class:`Estimate`: ``.latency_s``, ``.throughput`` (items/s), ``.cycles``,
@@ -337,6 +346,7 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     system = _system(system)
     many = {"replicas": replicas, "system": system, "ipu_ids": tuple(ipu_ids)}
     _replication(replicas, system, tuple(ipu_ids), target)  # checked before lowering
+    many["memory_proportions"] = _memory_proportions(available_memory_proportion)
     x_specs = _input_specs(model, batch_size, input_spec)
     name = getattr(model, "name", "model")
     t0 = time.perf_counter()
@@ -385,7 +395,9 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
                         ipus_per_replica=pipeline["ipus_per_replica"],
                         pipeline_schedule=pipeline["schedule"],
                         micro_batches=pipeline["micro_batches"],
-                        recomputation=pipeline["recomputation"])
+                        recomputation=pipeline["recomputation"],
+                        optimizer_state_offload=pipeline.get("offload"),
+                        optimizer_state_sharding=bool(pipeline.get("sharding", False)))
     lower_s = time.perf_counter() - t0
     params = json.loads(lowered.signature)["params"]
     kinds = {n: _KIND_OF[p["kind"]] for n, p in enumerate(params)}
@@ -398,6 +410,7 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     plan_s = time.perf_counter() - t1
     report.items_per_call = batch_size
     report.context = {
+        **report.context,
         "model": name, "batch_size": batch_size, "training": bool(training),
         "inputs": ", ".join(f"{s.dtype.name}{list(s.shape)}" for s in specs),
         "lower_seconds": round(lower_s, 3), "plan_seconds": round(plan_s, 3),
@@ -440,6 +453,23 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         epochs=(1 if dataset_size is not None and steps is None and epochs is None else epochs),
         steps=steps, precision=str(getattr(getattr(model, "dtype_policy", None), "name", "") or ""),
         optimizer=type(optimizer).__name__ if optimizer is not None else "", notes=notes)
+
+
+def _memory_proportions(given: float | str | None) -> dict[str, float]:
+    """Opcode -> availableMemoryProportion of the plans: ``given`` for dot and convolution,
+    else the configured ``IPUConfig``'s poplar_options (else none: the preset's)."""
+    from tf_ipu import config, runtime
+
+    if given is not None:
+        amp = config._memory_proportion("tf_ipu.estimate: available_memory_proportion", given)
+        return {"dot": amp, "convolution": amp}
+    cfg = runtime.get_runtime().config
+    out = {}
+    for opcode, group in (("dot", "matmuls"), ("convolution", "convolutions")):
+        amp = getattr(getattr(cfg, group, None), "available_memory_proportion", None)
+        if amp is not None:
+            out[opcode] = float(amp)
+    return out
 
 
 def _pipeline_of(model: Any, recomputation: bool | None) -> dict[str, Any] | None:
@@ -684,9 +714,22 @@ class TrainingEstimate:
         t = n * self.seconds_per_update
         length = (f"{self.epochs:g} epoch{'s' if self.epochs != 1 else ''} of {self.dataset_size:,} "
                   f"items = {n:,} weight updates" if self.steps is None else f"{n:,} weight updates")
-        return (f"time to train {self.step.context.get('model', self.step.program or 'the model')}: "
+        line = (f"time to train {self.step.context.get('model', self.step.program or 'the model')}: "
                 f"{length} x {self.seconds_per_update * 1e3:,.3f} ms = {_fmt_duration(t)} "
                 f"({self.throughput:,.1f} items/s) on {self.configuration()}")
+        error = self.expected_error_summary()
+        return f"{line}; {error}" if error else line
+
+    @property
+    def expected_error(self) -> list[dict[str, Any]]:
+        """The step's dominant calibration classes with their held-out errors."""
+        return self.step.expected_error
+
+    def expected_error_summary(self) -> str:
+        """One line: the expected error of the classes that dominate the estimate."""
+        from device_server.emulator import calibration
+
+        return calibration.describe(self.step.expected_error)
 
     def summary(self) -> str:
         """One line: the configuration, throughput, time per micro-batch and per update, the
@@ -837,6 +880,21 @@ def build_model(name: str, precision: str = "fp32") -> Any:
     return getattr(keras.applications, apps[key])(weights=None)
 
 
+def _calibration() -> int:
+    """``--calibration``: bench/calibration/fit.py's table, from a source checkout."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "calibration" / "fit.py").exists():
+        print("--calibration reads bench/calibration/ of the project's source tree, which this "
+              f"installation ({root}) does not have.", file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench.calibration import fit
+
+    fit.report(fit.calibrate())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m tf_ipu.estimate``: see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m tf_ipu.estimate",
@@ -861,7 +919,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="", help="batch sizes to sweep, e.g. 1,2,4,8")
     p.add_argument("--html", default="", help="write the HTML report here")
     p.add_argument("--json", default="", help="write the JSON report here")
+    p.add_argument("--calibration", action="store_true",
+                   help="print the tile model's calibration (each published point: measured, "
+                        "estimated, ratio, held out or fitted; per class its held-out error)")
     args = p.parse_args(argv)
+    if args.calibration:
+        return _calibration()
     model = build_model(args.model, args.precision)
     if args.training:
         model.compile(optimizer=args.optimizer, loss=_keras().losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -887,6 +950,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     print(report.summary())
     step = report.step if isinstance(report, TrainingEstimate) else report
+    from device_server.emulator import calibration
+
+    if step.expected_error:
+        print("  " + calibration.describe(step.expected_error))
     if isinstance(report, TrainingEstimate):
         if report.time_to_train_s is not None:
             print(report.time_to_train_summary())

@@ -65,14 +65,16 @@ def install() -> None:
                 accumulation.check_steps(self, max(1, int(self.steps_per_execution)))
             name = f"{_kind}_function"
             current = getattr(self, name, None)
-            if (
-                current is not None
-                and not force
-                and isinstance(current, IPUStepFunction)
-                and current.steps_per_execution == int(self.steps_per_execution)
-            ):
-                return current
-            fn = IPUStepFunction(self, _kind)
+            steps = max(1, int(self.steps_per_execution))
+            siblings = None
+            if isinstance(current, IPUStepFunction) and not force:
+                # The same model's functions for other steps per execution (a call that
+                # lowered it to its steps, _lower_steps_per_execution) keep their programs.
+                siblings = current.siblings
+                if steps in siblings:
+                    setattr(self, name, siblings[steps])
+                    return siblings[steps]
+            fn = IPUStepFunction(self, _kind, siblings)
             setattr(self, name, fn)
             return fn
 
@@ -89,6 +91,7 @@ def install() -> None:
         setattr(TensorFlowTrainer, name, getattr(pipelining, name))
     pipelining.install()
     replication.install_epoch_iterator()
+    _install_steps_lowering()  # after the replicas' counting: it reads their steps
     replication.install_predict_marker()
     replication.install_logs()
     replication.install_replica_seeds()
@@ -99,6 +102,85 @@ def install() -> None:
 
 
 _log = logging.getLogger("tf_ipu")
+#: The model's ``steps_per_execution`` as compiled, while its outermost fit/evaluate/predict
+#: runs (the calls may lower the model's own attribute to their steps).
+_COMPILED_STEPS_ATTR = "_tf_ipu_compiled_steps_per_execution"
+
+
+def _install_steps_lowering() -> None:
+    """Graphcore's Keras runs at most the steps asked for in one device call: when an
+    epoch of ``fit`` (``steps_per_epoch`` or the data's batches, per replica), or the
+    ``steps`` of ``evaluate`` or ``predict``, are fewer than ``steps_per_execution``, it
+    uses those steps as ``steps_per_execution`` for that call, with a warning
+    (graphcore/keras, keras/ipu/extensions/data_adapter.py, ``IPUDataHandler``). Keras 3 on
+    the CPU would run ``steps_per_execution`` steps anyway. Under IPUStrategy, each epoch
+    iterator Keras makes lowers its own and the model's ``steps_per_execution`` so (the
+    model's is restored when the call returns)."""
+    import functools
+
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TFEpochIterator
+    if getattr(cls, "_tf_ipu_lowering", False):
+        return
+    original_init = cls.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        _lower_steps_per_execution(self)
+
+    cls.__init__ = init
+    cls._tf_ipu_lowering = True
+
+    trainer = tf_trainer.TensorFlowTrainer
+    for kind in ("fit", "evaluate", "predict"):
+        original = getattr(trainer, kind)
+
+        @functools.wraps(original)
+        def restoring(self: Any, *args: Any, _orig: Any = original, **kwargs: Any) -> Any:
+            if not _is_ipu_model(self):
+                return _orig(self, *args, **kwargs)
+            saved = self.steps_per_execution
+            outermost = not hasattr(self, _COMPILED_STEPS_ATTR)
+            if outermost:
+                setattr(self, _COMPILED_STEPS_ATTR, saved)
+            try:
+                return _orig(self, *args, **kwargs)
+            finally:
+                self.steps_per_execution = saved
+                if outermost:
+                    delattr(self, _COMPILED_STEPS_ATTR)
+
+        setattr(trainer, kind, restoring)
+
+
+def _lower_steps_per_execution(iterator: Any) -> None:
+    """Sets the steps per execution of a new epoch iterator of an IPU model's
+    fit/evaluate/predict, and the model's, to the compiled ``steps_per_execution``, or to
+    the iterator's steps when they are fewer (with a warning, as Graphcore's Keras)."""
+    from tf_ipu.strategy import IPUStrategy
+
+    call = replication.current_call()
+    if call is None or not isinstance(getattr(iterator, "_distribute_strategy", None),
+                                      IPUStrategy):
+        return
+    kind, model = call
+    compiled = max(1, int(getattr(model, _COMPILED_STEPS_ATTR, model.steps_per_execution)))
+    steps = iterator.num_batches  # per replica in fit and evaluate (replication's count)
+    lowered = compiled
+    if steps is not None and 0 < steps < compiled:
+        lowered = int(steps)
+        replicas = getattr(iterator, "_tf_ipu_replica_count", 1)
+        _log.warning(
+            "tf_ipu: %s.%s: steps_per_execution is %d, but the data given has only %d "
+            "step(s)%s; each device call runs %d step(s) (steps_per_execution lowered to "
+            "the steps asked for, as Graphcore's Keras does).",
+            getattr(model, "name", "model"), kind, compiled, lowered,
+            f" per replica ({replicas} replicas)" if replicas > 1 else "", lowered)
+    iterator.steps_per_execution = lowered
+    model.steps_per_execution = lowered
+
+
 # Off by default: on a 2-core machine, a CPU-bound input pipeline pulled beside the device
 # call competes with the emulator for the cores and the two take longer than one after the
 # other. It pays when pulling waits (files, a slow source) or cores are spare.
@@ -267,10 +349,14 @@ def _leaf_is_data(x: Any) -> bool:
 class IPUStepFunction:
     """What Keras calls as ``model.train_function`` (or test/predict) under IPUStrategy."""
 
-    def __init__(self, model: Any, kind: str) -> None:
+    def __init__(self, model: Any, kind: str,
+                 siblings: dict[int, IPUStepFunction] | None = None) -> None:
         self.model = model
         self.kind = kind
         self.steps_per_execution = max(1, int(model.steps_per_execution))
+        #: This model's functions of this kind, by steps per execution (this one's included).
+        self.siblings: dict[int, IPUStepFunction] = {} if siblings is None else siblings
+        self.siblings[self.steps_per_execution] = self
         #: Replicas of its device programs, the steps each runs per call, and the batches
         #: a call takes (step i of replica r takes batch i * replicas + r).
         #: A pipelined model's stages (tf_ipu.pipelining.plan), or None.

@@ -10,6 +10,9 @@
       3. contiguous stages over the calls in the order the model runs them: the split that
          minimises the slowest stage's cycles, each stage's memory within an IPU's
          (dynamic programming over split points, exact for that objective)
+      4. checked by the tile model (``check``): the pipelined model planned stage by stage
+         on its IPUs, as tf_ipu.estimate plans it; a stage whose IPU does not fit gets a
+         budget smaller by its overflow and 3 is run again (at most ``_CHECK_ROUNDS`` times)
     ->  PipelineSuggestion: .stages (what set_pipeline_stage_assignment takes), per stage
         cycles, bytes and its layers, the balance (slowest / mean)
 
@@ -114,10 +117,15 @@ def _layer_cycles(est: Any) -> dict[str, float]:
     return cycles
 
 
-def _split(cycles: list[float], nbytes: list[int], stages: int, budget: int) -> list[int] | None:
+_CHECK_ROUNDS = 4
+
+
+def _split(cycles: list[float], nbytes: list[int], stages: int,
+           budget: int | list[int]) -> list[int] | None:
     """Contiguous groups of the items into ``stages`` stages, minimising the slowest stage's
-    cycles with every stage's bytes within ``budget`` (None: no such split). Exact: dynamic
-    programming over (items placed, stages used)."""
+    cycles with every stage's bytes within ``budget`` (one for all, or one per stage; None:
+    no such split). Exact: dynamic programming over (items placed, stages used)."""
+    budgets = list(budget) if isinstance(budget, list) else [budget] * stages
     n = len(cycles)
     c = [0.0, *np.cumsum(cycles).tolist()]
     b = [0, *np.cumsum(nbytes).tolist()]
@@ -128,7 +136,7 @@ def _split(cycles: list[float], nbytes: list[int], stages: int, budget: int) -> 
     for k in range(1, stages + 1):
         for i in range(1, n + 1):
             for j in range(k - 1, i):  # stage k takes items j .. i-1
-                if best[j][k - 1] == inf or b[i] - b[j] > budget:
+                if best[j][k - 1] == inf or b[i] - b[j] > budgets[k - 1]:
                     continue
                 worst = max(best[j][k - 1], c[i] - c[j])
                 if worst < best[i][k]:
@@ -148,7 +156,7 @@ def _split(cycles: list[float], nbytes: list[int], stages: int, budget: int) -> 
 def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: str = "ipu2",
                      training: bool = True, memory_fraction: float = 0.85,
                      micro_batches_in_flight: int | None = None, recomputation: bool = False,
-                     **estimate_kwargs: Any) -> PipelineSuggestion:
+                     check: bool = True, **estimate_kwargs: Any) -> PipelineSuggestion:
     """Suggests a stage for each layer call of ``model`` over ``ipus`` IPUs (one stage each).
 
     Args:
@@ -165,6 +173,10 @@ def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: st
         recomputation: the backward pass recomputes each stage's forward activations from
             its input: a layer's outputs are kept for one micro-batch, not for all in flight
             (the stage's input checkpoints, a small part, are not counted).
+        check: plan the suggested pipeline with the tile model (stage ``s`` on IPU ``s``,
+            ``2 * ipus`` micro-batches per weight update, Grouped) and, while an IPU does
+            not fit, split again with that stage's budget cut by its overflow; the notes
+            say what the tile model found. Costs one pipelined estimate per round.
         **estimate_kwargs: passed to ``tf_ipu.estimate`` (``input_spec``, ``label_spec``, ...).
 
     Returns:
@@ -184,7 +196,7 @@ def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: st
     if ipus > len(calls):
         raise ValueError(f"suggest_pipeline: {ipus} stages for {len(calls)} layer calls: at "
                          f"most {len(calls)}.")
-    target = get_target(ipu_version)
+    target = get_target(ipu_version, int(estimate_kwargs.get("tiles_per_ipu", 0) or 0))
     budget = int(target.tiles_per_ipu * target.sram_bytes_per_tile * memory_fraction)
     est = estimate(model, batch_size, training=training, ipu_version=ipu_version, **estimate_kwargs)
     step = getattr(est, "step", est)  # a TrainingEstimate wraps the step's Estimate
@@ -219,9 +231,62 @@ def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: st
             f"({memory_fraction:.0%} of an IPU's memory); the largest layer, "
             f"{names[largest]!r}, needs {nbytes[largest]:,} bytes. Use more IPUs, a smaller "
             f"batch, or recomputation.")
+    if check and ipus > 1:
+        assignment = _checked(model, assignment, cycles, nbytes, ipus, budget, batch_size,
+                              ipu_version, training, recomputation, notes, estimate_kwargs)
     stage_cycles = [sum(c for c, s in zip(cycles, assignment, strict=True) if s == k)
                     for k in range(ipus)]
     stage_bytes = [sum(b for b, s in zip(nbytes, assignment, strict=True) if s == k)
                    for k in range(ipus)]
     return PipelineSuggestion(assignment, names, stage_cycles, stage_bytes, budget,
                               target.product, notes)
+
+
+def _checked(model: Any, assignment: list[int], cycles: list[float], nbytes: list[int],
+             ipus: int, budget: int, batch_size: int, ipu_version: str, training: bool,
+             recomputation: bool, notes: list[str], estimate_kwargs: dict[str, Any]) -> list[int]:
+    """``assignment`` checked by the tile model, re-split while an IPU does not fit (see
+    ``suggest_pipeline``); the model's own stages and options are restored."""
+    from tf_ipu import accumulation
+    from tf_ipu.estimate import estimate
+
+    attrs = (pipelining._ASSIGNMENT_ATTR, pipelining._OPTIONS_ATTR, accumulation._OPTIONS_ATTR)
+    saved = {a: getattr(model, a) for a in attrs if hasattr(model, a)}
+    budgets = [budget] * ipus
+    try:
+        for round_ in range(1, _CHECK_ROUNDS + 1):
+            pipelining.set_pipeline_stage_assignment(model, assignment)
+            pipelining.set_pipelining_options(
+                model, gradient_accumulation_steps_per_replica=2 * ipus,
+                device_mapping=list(range(ipus)))
+            est = estimate(model, batch_size, training=training, ipu_version=ipu_version,
+                           recomputation=recomputation, **estimate_kwargs)
+            step = getattr(est, "step", est)
+            over = {int(i["ipu"]): i["peak_tile_bytes"] / step.tile_bytes_limit
+                    for i in step.ipus if not i["fits"]}
+            if not over:
+                notes.append("checked by the tile model: every IPU fits (peak tiles "
+                             + ", ".join(f"{i['peak_tile_bytes']:,}" for i in step.ipus)
+                             + f" of {step.tile_bytes_limit:,} B; round {round_})")
+                return assignment
+            for s, ratio in over.items():
+                used = sum(b for b, st in zip(nbytes, assignment, strict=True) if st == s)
+                budgets[s] = int(min(budgets[s], used) / ratio * 0.98)
+            again = _split(cycles, nbytes, ipus, budgets)
+            what = ", ".join(f"IPU {s} by {ratio - 1:.1%}" for s, ratio in sorted(over.items()))
+            if again is None or again == assignment:
+                notes.append(f"the tile model finds the split does not fit ({what}) and no "
+                             f"split within tighter budgets exists: use more IPUs, "
+                             f"recomputation or a smaller micro-batch")
+                return assignment
+            notes.append(f"round {round_}: the tile model found {what} over; split again "
+                         f"with that budget cut")
+            assignment = again
+        notes.append(f"still over after {_CHECK_ROUNDS} rounds of the tile model's check")
+        return assignment
+    finally:
+        for a in attrs:
+            if a in saved:
+                object.__setattr__(model, a, saved[a])
+            elif hasattr(model, a):
+                object.__delattr__(model, a)

@@ -53,13 +53,68 @@ class PipelineSchedule(enum.Enum):
 
 
 class RecomputationMode(enum.Enum):
-    """How the backward pass recomputes forward activations when
-    ``IPUConfig.allow_recompute`` is set (Graphcore's names); here each recomputes every
-    stage's forward activations from the stage's input (the tile model charges it)."""
+    """How a pipelined model's backward pass recomputes its stages' forward activations when
+    ``IPUConfig.allow_recompute`` is set (Graphcore's names and rules):
+
+    - ``RecomputeThenBackpropagate``: a stage's whole forward runs again from its input
+      before its backward (Grouped and Interleaved schedules); recomputation checkpoints
+      have no effect;
+    - ``RecomputeAndBackpropagateInterleaved``: recomputation restarts from the latest
+      recomputation checkpoint (``recomputation_checkpoint``), which is stashed with the
+      stage's input (Grouped and Sequential schedules);
+    - ``Auto``: the first for Grouped and Interleaved, the second for Sequential.
+
+    The tile model charges it (docs/tile_model.md, "Pipelines"); results never change."""
 
     Auto = 0
     RecomputeThenBackpropagate = 1
     RecomputeAndBackpropagateInterleaved = 2
+
+
+def resolved_recomputation_mode(schedule: PipelineSchedule, mode: RecomputationMode
+                                ) -> RecomputationMode:
+    """``mode`` for ``schedule`` (``Auto`` resolved, as Graphcore resolves it)."""
+    if mode is RecomputationMode.Auto:
+        return (RecomputationMode.RecomputeAndBackpropagateInterleaved
+                if schedule is PipelineSchedule.Sequential
+                else RecomputationMode.RecomputeThenBackpropagate)
+    return mode
+
+
+def checkpoints_apply(schedule: PipelineSchedule, mode: RecomputationMode) -> bool:
+    """Whether recomputation checkpoints shape the recomputation of this schedule and mode."""
+    return (resolved_recomputation_mode(schedule, mode)
+            is RecomputationMode.RecomputeAndBackpropagateInterleaved)
+
+
+#: The name scope of a recomputation checkpoint's op; the IR marks its instruction
+#: (``recomputation_checkpoint``, docs/ir.md) in pipelined programs.
+CHECKPOINT_SCOPE = "tf_ipu_recomputation_checkpoint"
+
+
+def recomputation_checkpoint(tensors: Any, name: str | None = None) -> Any:
+    """Graphcore's ``ipu.pipelining_ops.recomputation_checkpoint``: returns ``tensors`` (a
+    tensor or a structure of them) unchanged, marked as recomputation checkpoints. In a
+    pipelined model trained with recomputation in the ``RecomputeAndBackpropagateInterleaved``
+    mode (explicit, or ``Auto`` with the Sequential schedule), each marked value is stashed
+    with its stage's input and the backward recomputes from the latest checkpoint instead of
+    from the stage's input: more memory per micro-batch in flight, fewer cycles recomputed.
+    Anywhere else (another mode, no recomputation, not pipelined) it is the identity, as on
+    Graphcore's IPUs. Gradients pass through it unchanged.
+
+    Example:
+        >>> y = ipu.pipelining_ops.recomputation_checkpoint(x)          # doctest: +SKIP
+    """
+    flat = tf.nest.flatten(tensors, expand_composites=True)
+    out = []
+    with tf.name_scope(CHECKPOINT_SCOPE):
+        for x in flat:
+            x = tf.convert_to_tensor(x)
+            shape = x.shape.as_list() if x.shape.is_fully_defined() else tf.shape(x)
+            # A reshape to its own shape: the identity, and an instruction of its own in
+            # XLA's HLO (tf.identity is none), which carries the op's name into the IR.
+            out.append(tf.reshape(x, shape, name=name or "checkpoint"))
+    return tf.nest.pack_sequence_as(tensors, out, expand_composites=True)
 
 
 class PipelineStage:
@@ -167,17 +222,87 @@ class FunctionalLayerPipelineStageAssignment(ModelLayerPipelineStageAssignment):
     """A ``ModelLayerPipelineStageAssignment`` of a functional model."""
 
 
+class SequentialNestedModelPipelineStageAssignment:
+    """The assignments of the layers of a model nested in a ``Sequential`` model (Graphcore's
+    class): ``pipeline_stage_assignments``, one per layer (call) of ``nested_model``, edited
+    like the outer model's. In ``set_pipeline_stage_assignment`` an int (or a layer
+    assignment) in its place puts the whole nested model in that stage."""
+
+    def __init__(self, nested_model: Any, pipeline_stage_assignments: Sequence[Any]) -> None:
+        self._nested_model = nested_model
+        self._pipeline_stage_assignments = list(pipeline_stage_assignments)
+
+    @property
+    def nested_model(self) -> Any:
+        return self._nested_model
+
+    @property
+    def layer(self) -> Any:
+        """The nested model (the layer the outer model calls)."""
+        return self._nested_model
+
+    @property
+    def pipeline_stage_assignments(self) -> list[Any]:
+        """The nested model's assignments (the same objects: edit them in place)."""
+        return self._pipeline_stage_assignments
+
+    @property
+    def is_nested_model(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        inner = "".join(f"\n  {a}" for a in self._pipeline_stage_assignments)
+        return f"Model: {self.nested_model.name} has the following pipeline stage assignments:{inner}"
+
+
+class NestedModelPipelineStageAssignment(SequentialNestedModelPipelineStageAssignment):
+    """The assignments of the layers of one call (``node_index``) of a model nested in a
+    functional or subclassed model (Graphcore's class); see
+    ``SequentialNestedModelPipelineStageAssignment``."""
+
+    def __init__(self, nested_model: Any, node_index: int,
+                 pipeline_stage_assignments: Sequence[Any]) -> None:
+        super().__init__(nested_model, pipeline_stage_assignments)
+        self._node_index = node_index
+
+    @property
+    def node_index(self) -> int:
+        return self._node_index
+
+    @property
+    def inbound_layers(self) -> list[Any]:
+        nodes = getattr(self._nested_model, "_inbound_nodes", [])
+        if self._node_index >= len(nodes):
+            return []
+        return [n.operation for n in getattr(nodes[self._node_index], "parent_nodes", [])]
+
+    def __str__(self) -> str:
+        inner = "".join(f"\n  {a}" for a in self._pipeline_stage_assignments)
+        return (f"Model: {self.nested_model.name} (node index {self.node_index}) has the "
+                f"following pipeline stage assignments:{inner}")
+
+
+class FunctionalNestedModelPipelineStageAssignment(NestedModelPipelineStageAssignment):
+    """A ``NestedModelPipelineStageAssignment`` of a functional model."""
+
+
 def _is_sequential(model: Any) -> bool:
     import keras
 
     return isinstance(model, keras.Sequential)
 
 
+def _is_model(layer: Any) -> bool:
+    import keras
+
+    return isinstance(layer, keras.Model)
+
+
 def _layer_calls(model: Any) -> list[tuple[Any, int]]:
     """(layer, node index) of every layer call of a functional model, in the order the model
     runs them (its nodes by depth, inputs first), without its inputs."""
     by_depth = getattr(model, "_nodes_by_depth", None)
-    if not by_depth:
+    if _is_sequential(model) or not by_depth:
         return [(layer, 0) for layer in model.layers]
     calls = []
     for depth in sorted(by_depth, reverse=True):
@@ -191,18 +316,68 @@ def _layer_calls(model: Any) -> list[tuple[Any, int]]:
     return calls
 
 
+#: A layer call's place in a model: the (id(layer), node index) of each call on the way to
+#: it, the outer model's first (one pair for a layer of the model itself, more inside nested
+#: models). A model's table maps paths to stages.
+Path = tuple[tuple[int, int], ...]
+
+
+def _stage_in(sources: list[tuple[dict[Path, int], int]], path: Path) -> int | None:
+    """The stage ``path`` has in the first table of ``sources`` (table, depth of its model)
+    that names it, or names the call of a nested model on the way to it (a whole nested
+    model in one stage)."""
+    for table, depth in sources:
+        rel = path[depth:]
+        for n in range(len(rel), 0, -1):
+            if rel[:n] in table:
+                return table[rel[:n]]
+    return None
+
+
+def _assignments(model: Any, sources: list[tuple[dict[Path, int], int]], prefix: Path) -> list[Any]:
+    sequential = _is_sequential(model)
+    out: list[Any] = []
+    for layer, index in _layer_calls(model):
+        path = prefix + ((id(layer), index),)
+        if _is_model(layer):
+            inner = _assignments(layer, sources + [(getattr(layer, _ASSIGNMENT_ATTR, {}), len(path))],
+                                 path)
+            whole = _stage_in(sources, path)
+            if whole is None:
+                whole = _scoped_stage(layer, index)
+            if whole is not None:  # the nested model's call in a stage: its unassigned layers too
+                for a in _leaves(inner):
+                    if a.pipeline_stage is None:
+                        a.pipeline_stage = whole
+            out.append(SequentialNestedModelPipelineStageAssignment(layer, inner) if sequential
+                       else FunctionalNestedModelPipelineStageAssignment(layer, index, inner))
+            continue
+        stage = _stage_in(sources, path)
+        if stage is None:
+            stage = _scoped_stage(layer, index)
+        out.append(SequentialLayerPipelineStageAssignment(layer, stage) if sequential
+                   else FunctionalLayerPipelineStageAssignment(layer, index, stage))
+    return out
+
+
+def _leaves(assignments: Sequence[Any]) -> Iterator[Any]:
+    for a in assignments:
+        if getattr(a, "is_nested_model", False):
+            yield from _leaves(a.pipeline_stage_assignments)
+        else:
+            yield a
+
+
 def get_pipeline_stage_assignment(self: Any) -> list[Any]:
     """Graphcore's ``model.get_pipeline_stage_assignment()``: one assignment per layer
     (Sequential) or per layer call (functional, in the order the model runs them), with the
     stage currently assigned (from ``set_pipeline_stage_assignment``, else a PipelineStage
-    scope around the call, else around the layer's construction, else None)."""
-    assigned = getattr(self, _ASSIGNMENT_ATTR, {})
-    if _is_sequential(self):
-        return [SequentialLayerPipelineStageAssignment(
-            layer, assigned.get((id(layer), 0), _scoped_stage(layer, 0))) for layer in self.layers]
-    return [FunctionalLayerPipelineStageAssignment(
-        layer, index, assigned.get((id(layer), index), _scoped_stage(layer, index)))
-        for layer, index in _layer_calls(self)]
+    scope around the call, else around the layer's construction, else None). A nested model
+    (a Sequential or functional model called as a layer) has a
+    ``SequentialNestedModelPipelineStageAssignment`` / ``FunctionalNestedModelPipelineStageAssignment``
+    holding the assignments of its own layers (its own ``set_pipeline_stage_assignment``,
+    else its layers' scopes, are the defaults, as Graphcore's)."""
+    return _assignments(self, [(getattr(self, _ASSIGNMENT_ATTR, {}), 0)], ())
 
 
 def _scoped_stage(layer: Any, node_index: int) -> int | None:
@@ -212,31 +387,46 @@ def _scoped_stage(layer: Any, node_index: int) -> int | None:
     return getattr(layer, _LAYER_STAGE_ATTR, None)
 
 
+def _table(model: Any, given: Sequence[Any], where: str, prefix: Path = ()) -> dict[Path, int]:
+    """The stages of ``given`` (ints or assignments, edited; for a nested model, its nested
+    assignment or one stage for all of it), checked against the model's calls."""
+    current = get_pipeline_stage_assignment(model)
+    calls = _layer_calls(model)
+    if len(given) != len(current):
+        raise ValueError(
+            f"{where}: {len(given)} stages given for {len(current)} "
+            f"{'layers' if _is_sequential(model) else 'layer calls'} of {model.name} (one each: "
+            f"{', '.join(str(layer.name) for layer, _ in calls)}).")
+    table: dict[Path, int] = {}
+    for k, (item, (layer, index)) in enumerate(zip(given, calls, strict=True)):
+        owner = getattr(item, "nested_model", None) or getattr(item, "layer", None)
+        if owner is not None and owner is not layer:
+            raise ValueError(f"{where}: assignment {k} is for layer {owner.name!r}, the layer "
+                             f"call {k} of {model.name} is {layer.name!r}; pass them in the order "
+                             f"get_pipeline_stage_assignment() returns.")
+        path = prefix + ((id(layer), index),)
+        if getattr(item, "is_nested_model", False):
+            if not _is_model(layer):
+                raise ValueError(f"{where}: assignment {k} is a nested model's, but "
+                                 f"{layer.name!r} is a layer.")
+            table.update(_table(layer, list(item.pipeline_stage_assignments),
+                                f"{where} (nested model {layer.name!r})", path))
+            continue
+        stage = item.pipeline_stage if hasattr(item, "pipeline_stage") else item
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+            raise ValueError(f"{where}: layer {layer.name!r} has stage {stage!r}; every layer "
+                             f"needs a stage, an int >= 0.")
+        table[path] = stage
+    return table
+
+
 def set_pipeline_stage_assignment(self: Any, pipeline_stage_assignment: Sequence[Any]) -> None:
     """Graphcore's ``model.set_pipeline_stage_assignment``: a stage for every layer (a list
     of ints, or the assignments ``get_pipeline_stage_assignment`` returns, edited). Every
-    layer (call) must have a stage; stages start at 0 and go up by at most one between
-    consecutive layers of a Sequential model."""
-    given = list(pipeline_stage_assignment)
-    current = get_pipeline_stage_assignment(self)
-    if len(given) != len(current):
-        raise ValueError(
-            f"{self.name}.set_pipeline_stage_assignment: {len(given)} stages given for "
-            f"{len(current)} {'layers' if _is_sequential(self) else 'layer calls'} (one each: "
-            f"{', '.join(str(getattr(a, 'layer', a).name) for a in current)}).")
-    table: dict[tuple[int, int], int] = {}
-    for k, (item, slot) in enumerate(zip(given, current, strict=True)):
-        stage = item.pipeline_stage if hasattr(item, "pipeline_stage") else item
-        if hasattr(item, "layer") and item.layer is not slot.layer:
-            raise ValueError(f"{self.name}.set_pipeline_stage_assignment: assignment {k} is "
-                             f"for layer {item.layer.name!r}, the model's layer {k} is "
-                             f"{slot.layer.name!r}; pass them in the order "
-                             f"get_pipeline_stage_assignment() returns.")
-        if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
-            raise ValueError(f"{self.name}.set_pipeline_stage_assignment: layer "
-                             f"{slot.layer.name!r} has stage {stage!r}; every layer needs a "
-                             f"stage, an int >= 0.")
-        table[(id(slot.layer), getattr(slot, "node_index", 0))] = stage
+    layer (call) must have a stage. A nested model takes its nested assignment (a stage for
+    each of its layers, as Graphcore's), or an int: all of it in that stage."""
+    table = _table(self, list(pipeline_stage_assignment),
+                   f"{self.name}.set_pipeline_stage_assignment")
     object.__setattr__(self, _ASSIGNMENT_ATTR, table)
 
 
@@ -252,18 +442,26 @@ def reset_pipeline_stage_assignment(self: Any) -> None:
 def print_pipeline_stage_assignment_summary(self: Any, line_length: int | None = None,
                                             print_fn: Any = None) -> None:
     """Graphcore's ``model.print_pipeline_stage_assignment_summary``: each layer (call) and
-    its stage, and the IPU of each stage."""
+    its stage, and the IPU of each stage; a nested model's layers under its name."""
     print_fn = print_fn or print
     width = line_length or 80
     options = pipelining_options(self)
     rows = [("Layer", "Stage", "IPU")]
     mapping = options.get("device_mapping")
-    for a in get_pipeline_stage_assignment(self):
-        stage = a.pipeline_stage
-        ipu = "" if stage is None else str(mapping[stage] if mapping and stage < len(mapping)
-                                           else stage)
-        name = a.layer.name + (f" (call {a.node_index})" if getattr(a, "node_index", 0) else "")
-        rows.append((name, "-" if stage is None else str(stage), ipu))
+
+    def add(assignments: Sequence[Any], indent: str) -> None:
+        for a in assignments:
+            call = f" (call {a.node_index})" if getattr(a, "node_index", 0) else ""
+            if getattr(a, "is_nested_model", False):
+                rows.append((f"{indent}{a.nested_model.name}{call} (nested model)", "", ""))
+                add(a.pipeline_stage_assignments, indent + "  ")
+                continue
+            stage = a.pipeline_stage
+            ipu = "" if stage is None else str(mapping[stage] if mapping and stage < len(mapping)
+                                               else stage)
+            rows.append((f"{indent}{a.layer.name}{call}", "-" if stage is None else str(stage), ipu))
+
+    add(get_pipeline_stage_assignment(self), "")
     col = max(len(r[0]) for r in rows) + 2
     print_fn(f"Model: {self.name}: pipeline stage assignment")
     print_fn("=" * width)
@@ -274,14 +472,26 @@ def print_pipeline_stage_assignment_summary(self: Any, line_length: int | None =
     print_fn("=" * width)
 
 
-def stages_of(model: Any) -> dict[tuple[int, int], int]:
-    """The model's stage of every layer call: {(id(layer), call index): stage}; empty when
-    the model is not pipelined (no layer has a stage)."""
-    table = {}
-    for a in get_pipeline_stage_assignment(model):
-        if a.pipeline_stage is not None:
-            table[(id(a.layer), getattr(a, "node_index", 0))] = a.pipeline_stage
-    return table
+def _flat(model: Any) -> list[tuple[Path, Any, int | None]]:
+    """(path, layer, stage) of every call of a layer that is not a nested model, in order."""
+    out: list[tuple[Path, Any, int | None]] = []
+
+    def walk(m: Any, assignments: Sequence[Any], prefix: Path) -> None:
+        for a, (layer, index) in zip(assignments, _layer_calls(m), strict=True):
+            path = prefix + ((id(layer), index),)
+            if getattr(a, "is_nested_model", False):
+                walk(layer, a.pipeline_stage_assignments, path)
+            else:
+                out.append((path, layer, a.pipeline_stage))
+
+    walk(model, get_pipeline_stage_assignment(model), ())
+    return out
+
+
+def stages_of(model: Any) -> dict[Path, int]:
+    """The model's stage of every layer call (nested models' layers included, by path:
+    ``Path``); empty when the model is not pipelined (no layer has a stage)."""
+    return {path: stage for path, _, stage in _flat(model) if stage is not None}
 
 
 # -- options -------------------------------------------------------------------------------
@@ -292,6 +502,9 @@ _KNOWN_KWARGS = {"pipeline_schedule", "recomputation_mode", "offload_weight_upda
                  "weight_update_poplar_options", "offload_activations",
                  "offload_gradient_accumulation_buffers", "replicated_weight_sharding",
                  "offload_weights", "reduction_method", "name"}
+# Options the tile model sizes (where the optimizer state lives), with what they accept.
+_MODELLED = {"offload_weight_update_variables": "True, False or None (automatic)",
+             "replicated_optimizer_state_sharding": "True or False"}
 _EXPLICIT = {"gradient_accumulation_count": "gradient_accumulation_steps_per_replica",
              "device_mapping": "device_mapping", "accumulate_outfeed": "accumulate_outfeed"}
 _AUTOMATIC = ("computational_stages", "repeat_count", "inputs", "infeed_queue", "outfeed_queue",
@@ -351,9 +564,24 @@ def set_pipelining_options(self: Any, gradient_accumulation_steps_per_replica: i
     if not isinstance(recomputation, RecomputationMode):
         raise ValueError(f"set_pipelining_options: recomputation_mode must be a "
                          f"RecomputationMode. Received: {recomputation!r}")
+    unsupported = {RecomputationMode.RecomputeThenBackpropagate: PipelineSchedule.Sequential,
+                   RecomputationMode.RecomputeAndBackpropagateInterleaved:
+                       PipelineSchedule.Interleaved}
+    if unsupported.get(recomputation) is schedule:
+        works = [s.name for s in PipelineSchedule if s is not schedule]
+        raise ValueError(f"set_pipelining_options: the {schedule.name} pipeline schedule does "
+                         f"not support recomputation_mode={recomputation.name} (Graphcore's "
+                         f"rule); use the {' or '.join(works)} schedule, or "
+                         f"RecomputationMode.Auto.")
     for name, value in pipelining_kwargs.items():
         if name not in _KNOWN_KWARGS:
             raise ValueError(f"set_pipelining_options: unknown pipelining option {name!r}.")
+        if name in _MODELLED:
+            if value is not None and not isinstance(value, bool) or (
+                    value is None and name == "replicated_optimizer_state_sharding"):
+                raise ValueError(f"set_pipelining_options: {name} must be "
+                                 f"{_MODELLED[name]}. Received: {value!r}")
+            continue  # sized by the tile model (docs/tile_model.md, "Pipelines")
         notices.once(f"set_pipelining_options({name})",
                      f"{name}={value!r} is accepted and does not change what the program "
                      f"computes; the estimate does not model it yet.")
@@ -394,8 +622,8 @@ def plan(model: Any, steps_per_execution: int) -> dict[str, Any] | None:
     if missing:
         raise ValueError(f"{name}: pipeline stages {missing} have no layer (stages are "
                          f"0 .. {count - 1}); renumber the stages without gaps.")
-    unassigned = [a.layer.name for a in get_pipeline_stage_assignment(model)
-                  if a.pipeline_stage is None]
+    calls = _flat(model)
+    unassigned = [layer.name for _, layer, stage in calls if stage is None]
     if unassigned:
         raise ValueError(f"{name}: layers {unassigned} have no pipeline stage; a pipelined "
                          f"model needs one for every layer (set_pipeline_stage_assignment, or "
@@ -408,9 +636,9 @@ def plan(model: Any, steps_per_execution: int) -> dict[str, Any] | None:
                          f"device_mapping={list(range(count))}.")
     # A layer's weights live on one IPU: all its calls' stages must map there.
     by_layer: dict[int, set[int]] = {}
-    layers = {id(a.layer): a.layer for a in get_pipeline_stage_assignment(model)}
-    for (layer_id, _), stage in stages.items():
-        by_layer.setdefault(layer_id, set()).add(stage)
+    layers = {id(layer): layer for _, layer, _ in calls}
+    for path, stage in stages.items():
+        by_layer.setdefault(path[-1][0], set()).add(stage)
     for layer_id, layer_stages in by_layer.items():
         ipus = {mapping[s] for s in layer_stages}
         if len(ipus) > 1 and getattr(layers[layer_id], "weights", None):
@@ -428,7 +656,14 @@ def plan(model: Any, steps_per_execution: int) -> dict[str, Any] | None:
         "micro_batches": int(accumulation_steps or 1),
         "accumulation_set": accumulation_steps is not None,
         "recomputation_mode": options.get("recomputation_mode", RecomputationMode.Auto).name,
+        # Recomputation checkpoints count (the IR marks them) in the mode that honours them.
+        "recomputation_checkpoints": checkpoints_apply(
+            options.get("pipeline_schedule", PipelineSchedule.Grouped),
+            options.get("recomputation_mode", RecomputationMode.Auto)),
         "steps_per_execution": steps_per_execution,
+        # Where the optimizer state lives (the tile model): None is Graphcore's automatic choice.
+        "offload": options.get("kwargs", {}).get("offload_weight_update_variables"),
+        "sharding": bool(options.get("kwargs", {}).get("replicated_optimizer_state_sharding", False)),
     }
 
 
@@ -450,27 +685,22 @@ def check_training(model: Any, pipeline: dict[str, Any]) -> None:
 class _Tagging:
     """What the lowering of one pipelined model's program needs on this thread."""
 
-    def __init__(self, model: Any, stages: dict[tuple[int, int], int]) -> None:
+    def __init__(self, model: Any, stages: dict[Path, int]) -> None:
         self.model = model
         self.stages = stages
-        self.calls: dict[int, int] = {}  # layer id -> calls so far in this forward pass
+        # The model (or nested model) calls being traced: each one's path and its layers'
+        # calls so far (a nested model's layers count their calls afresh in each of its calls).
+        self.frames: list[tuple[Path, dict[int, int]]] = [((), {})]
+        self.nested = {path[:n] for path in stages for n in range(1, len(path))}
         self.var_stage: dict[int, int] = {}
-        for layer in _all_layers(model):
-            stage = next((s for (lid, _), s in stages.items() if lid == id(layer)), None)
+        for _, layer, stage in _flat(model):
             if stage is None:
                 continue
             for w in getattr(layer, "weights", []):
-                self.var_stage[id(getattr(w, "value", w))] = stage
+                self.var_stage.setdefault(id(getattr(w, "value", w)), stage)
 
 
-def _all_layers(model: Any) -> Iterator[Any]:
-    for layer in getattr(model, "layers", []):
-        yield layer
-        if hasattr(layer, "layers") and layer is not model:
-            yield from _all_layers(layer)
-
-
-def tagging(model: Any, stages: dict[tuple[int, int], int]) -> Any:
+def tagging(model: Any, stages: dict[Path, int]) -> Any:
     """A block in which the traced program of ``model`` tags its ops with their stages."""
     import contextlib
 
@@ -486,21 +716,32 @@ def tagging(model: Any, stages: dict[tuple[int, int], int]) -> Any:
     return block()
 
 
-def _layer_call_scope(layer: Any) -> Any:
-    """The name scope of this call of ``layer`` while a pipelined program is traced, or
-    None. The model's own call restarts the count of each layer's calls."""
+def _layer_call_scope(layer: Any) -> tuple[Any, bool]:
+    """The name scope of this call of ``layer`` while a pipelined program is traced (or
+    None), and whether the call is of a nested model whose layers have their own stages (its
+    frame is pushed: pop it after the call). The model's own call restarts the count of each
+    layer's calls."""
     tag = getattr(_state, "tagging", None)
     if tag is None:
-        return None
+        return None, False
     if layer is tag.model:
-        tag.calls.clear()
-        return None
-    index = tag.calls.get(id(layer), 0)
-    tag.calls[id(layer)] = index + 1
-    stage = tag.stages.get((id(layer), index), tag.stages.get((id(layer), 0)))
+        tag.frames[:] = [((), {})]
+        return None, False
+    prefix, calls = tag.frames[-1]
+    index = calls.get(id(layer), 0)
+    calls[id(layer)] = index + 1
+    path = prefix + ((id(layer), index),)
+    first = prefix + ((id(layer), 0),)
+    if path not in tag.stages and path not in tag.nested and (first in tag.stages
+                                                              or first in tag.nested):
+        path = prefix + ((id(layer), 0),)  # called more often than the model's graph says
+    if path in tag.nested:
+        tag.frames.append((path, {}))
+        return None, True
+    stage = tag.stages.get(path)
     if stage is None:
-        return None
-    return tf.name_scope(f"{STAGE_SCOPE}{stage}")
+        return None, False
+    return tf.name_scope(f"{STAGE_SCOPE}{stage}"), False
 
 
 def variable_scope(var: Any) -> Any:
@@ -544,13 +785,17 @@ def install() -> None:
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         stage = current_stage()
-        scope = _layer_call_scope(self)
+        scope, pushed = _layer_call_scope(self)
         before = len(getattr(self, "_inbound_nodes", []) or [])
-        if scope is None:
-            out = original_call(self, *args, **kwargs)
-        else:
-            with scope:
+        try:
+            if scope is None:
                 out = original_call(self, *args, **kwargs)
+            else:
+                with scope:
+                    out = original_call(self, *args, **kwargs)
+        finally:
+            if pushed:
+                _state.tagging.frames.pop()
         if stage is not None:
             after = len(getattr(self, "_inbound_nodes", []) or [])
             if after > before:  # a symbolic call made a node: its stage
@@ -565,9 +810,12 @@ def install() -> None:
     Layer._tf_ipu_pipelining = True
 
 
-__all__ = ["FunctionalLayerPipelineStageAssignment", "ModelLayerPipelineStageAssignment",
-           "PipelineSchedule", "PipelineStage", "RecomputationMode", "STAGE_SCOPE",
-           "SequentialLayerPipelineStageAssignment", "check_training", "current_stage",
+__all__ = ["CHECKPOINT_SCOPE", "FunctionalLayerPipelineStageAssignment",
+           "FunctionalNestedModelPipelineStageAssignment", "ModelLayerPipelineStageAssignment",
+           "NestedModelPipelineStageAssignment", "Path", "PipelineSchedule", "PipelineStage",
+           "RecomputationMode", "STAGE_SCOPE", "SequentialLayerPipelineStageAssignment",
+           "SequentialNestedModelPipelineStageAssignment", "check_training", "checkpoints_apply",
+           "current_stage", "recomputation_checkpoint", "resolved_recomputation_mode",
            "get_pipeline_stage_assignment", "install", "pipelining_options", "plan",
            "print_pipeline_stage_assignment_summary", "reset_pipeline_stage_assignment",
            "set_pipeline_stage_assignment", "set_pipelining_options", "stages_of", "tagging",

@@ -276,6 +276,12 @@ def _current_model() -> Any:
     return _calls[-1][1] if _calls else None
 
 
+def current_call() -> tuple[str, Any] | None:
+    """The innermost ``fit``/``evaluate``/``predict`` running: (its name, the model), or
+    None outside them."""
+    return _calls[-1] if _calls else None
+
+
 def install_predict_marker() -> None:
     """Marks the span of ``model.fit``, ``evaluate`` and ``predict`` (the epoch iterator
     counts per replica of that model; predict's keeps Keras's counting)."""
@@ -301,7 +307,8 @@ def install_predict_marker() -> None:
         setattr(TensorFlowTrainer, kind, marked)
 
 
-__all__ = ["ReplicatedMetricReductionMethod", "install_epoch_iterator", "install_logs",
+__all__ = ["ReplicatedMetricReductionMethod", "current_call", "install_epoch_iterator",
+           "install_logs",
            "install_predict_marker", "install_replica_seeds",
            "metric_reduction", "per_call_steps", "predictions_in_order", "reduce_logs",
            "set_replication_options", "steps_per_replica", "usable_batches"]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from device_server.emulator.calibration import FITTED
 from device_server.protocol.hardware import VERSIONS, canonical_version
 
-__all__ = ["BOW", "GC2", "GC200", "PRESETS", "Target", "get_target"]
+__all__ = ["BOW", "GC2", "GC200", "PRESETS", "PROVENANCE", "Target", "calibration_summary",
+           "get_target", "provenance"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,16 @@ class Target:
     exchange_code_bytes: int = 24        # per exchange on each receiving tile
     exchange_code_bytes_per_source: int = 8  # per tile received from, on each receiving tile
     host_link_latency_s: float = 5e-6    # fixed cost of one host transfer (each direction)
+    # ---- fitted to bench/calibration's measurements (calibration.py, docs/tile_model.md):
+    # the share of the tile-memory rate Poplar's library vertices sustain on streaming work
+    # (STREAM triad with Poplar's primitives), and of the AMP peak a matrix product's inner
+    # loop sustains (the largest products measured).
+    library_memory_efficiency: float = FITTED["library_memory_efficiency"]
+    amp_fp16_efficiency: float = FITTED["amp_fp16_efficiency"]
+    amp_fp32_efficiency: float = FITTED["amp_fp32_efficiency"]
+    # cycles a matrix product's pass costs beyond its work and one vertex's overhead (the
+    # AMP's set-up per pass; fitted to the smallest products measured)
+    matmul_pass_overhead_cycles: float = FITTED["matmul_pass_overhead_cycles"]
 
     @property
     def sram_bytes_per_ipu(self) -> int:
@@ -98,7 +110,7 @@ GC2 = Target(
     sync_cycles=_SYNC_CYCLES,
     exchange_overhead_cycles=_EXCHANGE_OVERHEAD_CYCLES,
     vertex_overhead_cycles=_VERTEX_OVERHEAD_CYCLES,
-    host_link_bytes_per_s=64e9,                # PCIe Gen4 x16 nominal (Louw s.II-III)
+    host_link_bytes_per_s=32e9,                # PCIe Gen4 x16: 64 GB/s counting both ways (Louw s.II-III)
     ipu_link_bytes_per_s=192e9,                # C2 card: 3 links x 64 GB/s (Jia et al.)
     power_watts=150.0,                         # per IPU (iPUG)
     amp_fp16_output_channels=8,                # assumption: half the GC200's AMP width
@@ -138,6 +150,102 @@ BOW = dataclasses.replace(
 )
 
 PRESETS: dict[str, Target] = {"ipu1": GC2, "ipu2": GC200, "bow": BOW}
+
+# ---- provenance: every figure of every preset is published (with its source; arithmetic on
+# published figures counts, and says so), fitted (bench/calibration), or assumed (no public
+# figure; bench/bench_calibration.py shows how much the main estimates move with it).
+_P, _F, _A = "published", "fitted", "assumed"
+_FIT = ("bench/calibration/fit.py: fitted to {rows} (calibration.py)")
+_COMMON: dict[str, tuple[str, str]] = {
+    "worker_threads_per_tile": (_P, "6 hardware worker threads (Louw & McIntosh-Smith 2021 s.II; Jia et al. 2019)"),
+    "sync_cycles": (_P, "Poplar's planner constant, ~90 cycles per global sync (poplibs, via ipu_arch.md)"),
+    "exchange_overhead_cycles": (_P, "Poplar's planner constant, ~100 cycles per exchange (poplibs, via ipu_arch.md)"),
+    "vertex_overhead_cycles": (_P, "Poplar's planner constant, ~16 cycles per worker vertex (poplibs, via ipu_arch.md)"),
+    "available_memory_proportion": (_P, "PopLibs' default availableMemoryProportion, 0.6 (Poplar docs)"),
+    "vector_fp16_flops_per_cycle_per_tile": (_A, "twice the FP32 vector rate (no public figure)"),
+    "amp_fp16_input_channels": (_A, "AMP input-channel group (no public figure)"),
+    "amp_fp32_input_channels": (_A, "AMP input-channel group (no public figure)"),
+    "amp_fp16_output_channels": (_A, "AMP output-channel group (no public figure)"),
+    "amp_fp32_output_channels": (_A, "AMP output-channel group (no public figure)"),
+    "amp_fp16_partials_chunk": (_A, "products one AMP pass sums before an FP16 accumulator (no public figure)"),
+    "vector_bytes": (_A, "one 64-bit vector per worker instruction"),
+    "flops_per_transcendental": (_A, "vector instructions per exp/log/sqrt/divide element"),
+    "min_bytes_per_tile": (_A, "grain of a linear mapping"),
+    "vertex_state_bytes": (_A, "vertex state per vertex (no public figure)"),
+    "codelet_bytes": (_A, "code of one vertex type on one tile (no public figure)"),
+    "compute_set_control_bytes": (_A, "control code per compute set per tile (no public figure)"),
+    "exchange_code_bytes": (_A, "exchange code per exchange per receiving tile (no public figure)"),
+    "exchange_code_bytes_per_source": (_A, "exchange code per source tile (no public figure)"),
+    "host_link_latency_s": (_A, "fixed cost of one host transfer"),
+    "tiles_per_ipu": (_P, "all of the chip's tiles (a setting: IPUConfig.ipu_model.tiles_per_ipu)"),
+}
+_GC2_OWN: dict[str, tuple[str, str]] = {
+    "hardware_tiles_per_ipu": (_P, "1216 tiles (Burchard et al. s.2; Jia et al. 2019)"),
+    "sram_bytes_per_tile": (_P, "256 KiB per tile (Louw & McIntosh-Smith 2021)"),
+    "clock_hz": (_P, "1.6 GHz (IPU programmer's guide s.2)"),
+    "amp_fp16_flops_per_cycle_per_tile": (_P, "derived: 124.5 TFLOP/s peak (Jia et al. 2019) / (1216 x 1.6 GHz)"),
+    "amp_fp32_flops_per_cycle_per_tile": (_P, "derived: 31.1 TFLOP/s peak (Jia et al. 2019) / (1216 x 1.6 GHz)"),
+    "vector_fp32_flops_per_cycle_per_tile": (_P, "derived: 7.6 TFLOP/s measured (Louw Fig. 2 citing Jia) / (1216 x 1.6 GHz)"),
+    "memory_bytes_per_cycle_per_tile": (_P, "16 B/cycle/tile read: 31.1 TB/s (Louw s.IV citing Jia); 30.7 TB/s read measured with assembly (Jia, via summaries)"),
+    "memory_latency_cycles": (_P, "6 cycles (Jia et al. 2019)"),
+    "exchange_bytes_per_cycle_per_tile": (_P, "derived: ~8 TB/s all-to-all (Louw s.II) / (1216 x 1.6 GHz)"),
+    "host_link_bytes_per_s": (_P, "PCIe Gen4 x16, ~32 GB/s each way (Louw s.II-III); a system's host links replace it"),
+    "ipu_link_bytes_per_s": (_P, "C2 card: 3 IPU-Links x 64 GB/s (Jia et al. 2019)"),
+    "power_watts": (_P, "150 W per IPU (IPU programmer's guide)"),
+    "library_memory_efficiency": (_F, _FIT.format(rows="STREAM triad with Poplar's primitives, GC2 (Louw & McIntosh-Smith 2021 Table I)")),
+    "amp_fp16_efficiency": (_F, _FIT.format(rows="the FP16 matrix-product ceiling, GC2 (Jia et al. 2019, via Louw Fig. 2), and dense products on Bow (Li et al. 2023)")),
+    "amp_fp32_efficiency": (_F, _FIT.format(rows="the FP32 matrix-product ceiling, GC2 (Jia et al. 2019, via Louw Fig. 2), and dense products on Bow (Li et al. 2023)")),
+    "matmul_pass_overhead_cycles": (_F, _FIT.format(rows="dense products of 4 to 65,536 columns on Bow (Li et al. 2023) and the GC2 ceilings (Jia et al. 2019)")),
+}
+_MK2_OWN: dict[str, tuple[str, str]] = {
+    "hardware_tiles_per_ipu": (_P, "1472 tiles (Graphcore product pages)"),
+    "sram_bytes_per_tile": (_P, "624 KiB (graphcore/popliner --mem-per-tile default)"),
+    "clock_hz": (_P, "derived: 250 TFLOP/s (Graphcore) / (1472 x 128 FLOP/cycle)"),
+    "amp_fp16_flops_per_cycle_per_tile": (_P, "250 TFLOP/s FP16 (Graphcore) at the clock above"),
+    "amp_fp32_flops_per_cycle_per_tile": (_A, "62.5 TFLOP/s, commonly quoted, unconfirmed"),
+    "vector_fp32_flops_per_cycle_per_tile": (_A, "the GC2's per cycle (same tile design)"),
+    "memory_bytes_per_cycle_per_tile": (_A, "the GC2's per cycle (same tile design; the 47.5 TB/s marketing figure would be ~24)"),
+    "memory_latency_cycles": (_A, "the GC2's 6 cycles (same tile design)"),
+    "exchange_bytes_per_cycle_per_tile": (_P, "derived: 8 TB/s all-to-all (Graphcore) / (1472 x 1.33 GHz), rounded"),
+    "host_link_bytes_per_s": (_A, "5.5 GB/s through the gateway, as graphcore/examples assume"),
+    "ipu_link_bytes_per_s": (_P, "10 IPU-Links, 320 GB/s per IPU (Graphcore M2000 pages)"),
+    "power_watts": (_A, "not published per IPU (None)"),
+    "library_memory_efficiency": (_A, "the GC2's fitted figure (same tile design; no GC200 or Bow STREAM measurement)"),
+    "amp_fp16_efficiency": (_A, "the figure fitted on GC2 and Bow products (same tile design; no GC200 product measured)"),
+    "amp_fp32_efficiency": (_A, "the figure fitted on GC2 and Bow products (same tile design; no GC200 product measured)"),
+    "matmul_pass_overhead_cycles": (_A, "the figure fitted on Bow products (same tile design; no GC200 product measured)"),
+}
+PROVENANCE: dict[str, dict[str, tuple[str, str]]] = {
+    "ipu1": {**_COMMON, **_GC2_OWN,
+             "matmul_pass_overhead_cycles": (_A, "the figure fitted on Bow products (same tile design; GC2's only product points are ceilings of large products)"),
+             "amp_fp16_output_channels": (_A, "half the GC200's AMP width (no public figure)"),
+             "amp_fp32_output_channels": (_A, "half the GC200's AMP width (no public figure)")},
+    "ipu2": {**_COMMON, **_MK2_OWN},
+    "bow": {**_COMMON, **_MK2_OWN, "clock_hz": (_P, "1.85 GHz (Graphcore Bow launch)"),
+            **{f: _GC2_OWN[f] for f in ("amp_fp16_efficiency", "amp_fp32_efficiency",
+                                        "matmul_pass_overhead_cycles")}},
+}
+_NOT_FIGURES = ("name", "product", "ipu_version")
+
+
+def provenance(preset: str) -> dict[str, tuple[str, str]]:
+    """Each figure of preset ``preset`` ("ipu1", "ipu2", "bow"): (kind, source or why), kind
+    "published", "fitted" or "assumed"."""
+    return dict(PROVENANCE[canonical_version(preset)])
+
+
+def calibration_summary(preset: str) -> dict[str, int]:
+    """How many of the preset's figures are published, fitted and assumed."""
+    kinds = [k for k, _ in provenance(preset).values()]
+    return {kind: kinds.count(kind) for kind in (_P, _F, _A)}
+
+
+for _name, _target in PRESETS.items():
+    _figures = {f.name for f in dataclasses.fields(_target)} - set(_NOT_FIGURES)
+    if set(PROVENANCE[_name]) != _figures:
+        raise RuntimeError(f"preset {_name}: figures without a provenance "
+                           f"{sorted(_figures - set(PROVENANCE[_name]))}, provenance without a figure "
+                           f"{sorted(set(PROVENANCE[_name]) - _figures)}")
 if {k: (t.product, t.ipu_version, t.hardware_tiles_per_ipu) for k, t in PRESETS.items()} != {
         v.name: (v.product, v.poplar_name, v.tiles) for v in VERSIONS.values()}:
     raise RuntimeError("the presets and device_server/protocol/hardware.py name different chips")

@@ -180,6 +180,11 @@ class CompileOptions:
     ``inv``, ``div0``, ``oflo``: floating-point exception checks after every floating-point
     instruction (:class:`FloatingPointExceptionError`); ``nanoo``: an FP16 overflow gives NaN.
 
+    Planning (the estimate only): ``matmul_available_memory_proportion`` /
+    ``convolution_available_memory_proportion``: PopLibs' availableMemoryProportion of the
+    ``dot`` / ``convolution`` plans, 0 .. 1 (None: the preset's, 0.6); lower plans hold fewer
+    temporaries per tile and cost as many cycles or more (``tiles/matmul.py``).
+
     Replication (``emulator/replicas.py``): ``replicas``: how many replicas run the program
     at once (1: not replicated); ``system``: the ``protocol.hardware.System`` whose IPUs run
     them (None: the target's IPUs without links), ``ipu_ids``: which of its IPUs, one per
@@ -207,6 +212,8 @@ class CompileOptions:
     div0: bool = False
     oflo: bool = False
     nanoo: bool = False
+    matmul_available_memory_proportion: float | None = None
+    convolution_available_memory_proportion: float | None = None
     replicas: int = 1
     system: Any = None
     ipu_ids: tuple[int, ...] = ()
@@ -216,6 +223,22 @@ class CompileOptions:
     pipeline_schedule: str = "grouped"
     micro_batches: int = 1
     recomputation: bool = False
+    optimizer_state_offload: str = "auto"    # "auto" | "on" | "off" (pipeline.placement)
+    optimizer_state_sharding: bool = False
+
+    def memory_proportions(self) -> dict[str, float]:
+        """Opcode -> availableMemoryProportion of the options that set one (checked)."""
+        out = {}
+        for opcode, name in (("dot", "matmul_available_memory_proportion"),
+                             ("convolution", "convolution_available_memory_proportion")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"CompileOptions.{name} must be a number in [0, 1] (PopLibs' "
+                                 f"availableMemoryProportion), not {value!r}.")
+            out[opcode] = float(value)
+        return out
 
     def numerics(self, target: Target) -> numerics.Numerics:
         """The numerics these options ask for on ``target``."""
@@ -1788,7 +1811,10 @@ def compile_module(
                           pipeline_stages=options.pipeline_stages, stage_ipus=options.stage_ipus,
                           ipus_per_replica=options.ipus_per_replica,
                           pipeline_schedule=options.pipeline_schedule,
-                          micro_batches=options.micro_batches, recomputation=options.recomputation)
+                          micro_batches=options.micro_batches, recomputation=options.recomputation,
+                          optimizer_state_offload=options.optimizer_state_offload,
+                          optimizer_state_sharding=options.optimizer_state_sharding,
+                          memory_proportions=options.memory_proportions())
     if not est.fits and not options.allow_out_of_memory:
         raise OutOfMemoryError(est.oom_message())
     count = sum(len(v) for v in compiler.live.values())
@@ -1852,6 +1878,7 @@ def executable_from_record(
 def _checked_options(options: CompileOptions) -> CompileOptions:
     if not isinstance(options, CompileOptions):
         raise TypeError(f"options must be CompileOptions, got {type(options).__name__}.")
+    options.memory_proportions()  # ValueError: a proportion outside [0, 1]
     return dataclasses.replace(options, refuse_opcodes=frozenset(options.refuse_opcodes))
 
 

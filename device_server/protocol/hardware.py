@@ -91,6 +91,8 @@ class System:
     host_links: tuple[HostLink, ...]
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
+    streaming_memory_bytes: int = 0            # per IPU, the DRAM beside it (0: none)
+    streaming_memory_bytes_per_s: float = 0.0  # per IPU, each way
     _adjacency: dict[int, dict[int, Link]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -161,6 +163,12 @@ _C2_CARD_TO_CARD_BYTES_PER_S = 32e9  # assumption: the third link, 32 GB/s each 
 # GC200: 10 IPU-Links, 320 GB/s per IPU (secondary source); Bow-2000: IPU-Link 512 Gbit/s.
 _GC200_NEIGHBOUR_BYTES_PER_S = 320e9 / 2 / 3   # derived, with the assumptions below
 _BOW_NEIGHBOUR_BYTES_PER_S = 10 * 64e9 / 2 / 3  # derived: 10 links x 512 Gbit/s, as above
+# Streaming Memory (Mk2 machines; a C2 card has none): an IPU-Machine holds four IPUs and "up
+# to 260 GB" of memory, 3.6 GB of it In-Processor-Memory (IPU programmer's guide, "IPU hardware
+# overview"); the rest split evenly by the 4 IPUs (derived). Its bandwidth is not published:
+# assumption, one DDR4-3200 channel per IPU (25.6 GB/s) at 80% of its peak.
+_STREAMING_MEMORY_BYTES_PER_IPU = int((260e9 - 3.6e9) / 4)
+_STREAMING_MEMORY_BYTES_PER_S = 20e9
 
 
 def _ladder(num_ipus: int, rung: float, rail: float, ring: bool = False) -> tuple[Link, ...]:
@@ -187,8 +195,11 @@ _MK2_ASSUMPTIONS = (
     "directions",
     "host transfers reach the gateway at the rate Graphcore's examples assume (5.5 GB/s), "
     "not the 100 GbE line rate",
+    "Streaming Memory: 64 GB per IPU (derived from the IPU-Machine's 260 GB), read and "
+    "written at 20 GB/s per IPU each way (assumption: one DDR4-3200 channel at 80%)",
 )
 _MK2_SOURCES = ("docs.graphcore.ai IPU-POD DA build and test guide",
+                "docs.graphcore.ai ipu-programmers-guide, IPU hardware overview",
                 "docs.graphcore.ai bow-2000-datasheet", "thecharlieblake.co.uk/ipus")
 
 
@@ -200,6 +211,8 @@ def _mk2(name: str, description: str, version: str, machines: int, neighbour: fl
         _MK2_SOURCES, _MK2_ASSUMPTIONS + (
             ("the machines are cabled into one ladder (a POD16's rails run through its 4 "
              "machines)",) if machines > 1 else ()),
+        streaming_memory_bytes=_STREAMING_MEMORY_BYTES_PER_IPU,
+        streaming_memory_bytes_per_s=_STREAMING_MEMORY_BYTES_PER_S,
     )
 
 
@@ -254,6 +267,9 @@ def plain_system(num_ipus: int, ipu_version: str) -> System:
         hosts = _host_links(num_ipus, 4, _GATEWAY_BYTES_PER_S, _GATEWAY_LATENCY_S, _GATEWAY)
     hosts = tuple(HostLink(tuple(i for i in h.ipus if i < num_ipus), h.bytes_per_s, h.latency_s,
                            h.kind) for h in hosts)
+    mk2 = version != "ipu1"
     return System(f"{num_ipus}x{version}", f"{num_ipus} {VERSIONS[version].product} IPUs",
                   version, num_ipus, links, hosts,
-                  assumptions=("linked as the version's named systems are",))
+                  assumptions=("linked as the version's named systems are",),
+                  streaming_memory_bytes=_STREAMING_MEMORY_BYTES_PER_IPU if mk2 else 0,
+                  streaming_memory_bytes_per_s=_STREAMING_MEMORY_BYTES_PER_S if mk2 else 0.0)

@@ -7,7 +7,8 @@
       ipu.ipu_infeed_queue / ipu_outfeed_queue  -> infeeds and outfeeds (tf_ipu.feeds)
       ipu.loops.repeat / while_loop             -> device loops over an infeed (loops.py)
       ipu.serving.export_keras / export_single_step -> SavedModels for serving (tf_ipu.serving)
-      ipu.ops.pipelining_ops.PipelineSchedule   -> pipelining's names (tf_ipu.pipelining)
+      ipu.ops.pipelining_ops.PipelineSchedule   -> pipelining's names (tf_ipu.pipelining);
+        also ipu.pipelining_ops, with recomputation_checkpoint
     import keras; keras.ipu                     -> keras_ipu/ (also via ``from tensorflow import keras``)
     ipu.keras.PipelineStage (SDK 2's spelling)   -> keras_ipu/ too
     ipu_tensorflow_addons.keras.layers          -> addons/ (Graphcore's IPU Keras layers)
@@ -40,6 +41,9 @@ from tf_ipu.graphcore import (
 #: ``ipu.keras`` (SDK 2's spelling, still in Graphcore's tutorials: ``ipu.keras.PipelineStage``)
 #: is ``keras.ipu``.
 keras = keras_ipu
+
+#: ``ipu.pipelining_ops`` (Graphcore's ``ipu`` package imports ``ops.pipelining_ops`` by name).
+pipelining_ops = ops.pipelining_ops
 
 #: Graphcore's module names under ``tensorflow.python.ipu``, and ours.
 MODULES = {"config": config, "ipu_strategy": ipu_strategy, "utils": utils,
@@ -76,6 +80,9 @@ def _install_keras_ipu() -> None:
     parents = {"keras": keras}
     try:
         parents["keras._tf_keras.keras"] = importlib.import_module("keras._tf_keras.keras")
+        # ``from tensorflow.keras import ipu`` (Graphcore's tech notes): TF loads that
+        # namespace's __init__ once more as its own module "tensorflow.keras".
+        parents["tensorflow.keras"] = importlib.import_module("tensorflow.keras")
     except ImportError:  # a Keras without TF's compatibility namespace
         pass
     for name, parent in parents.items():
@@ -88,4 +95,4 @@ def _install_keras_ipu() -> None:
 
 __all__ = ["MODULES", "PACKAGE", "addons", "config", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
            "keras",
-           "ipu_strategy", "keras_ipu", "loops", "ops", "serving", "utils"]
+           "ipu_strategy", "keras_ipu", "loops", "ops", "pipelining_ops", "serving", "utils"]

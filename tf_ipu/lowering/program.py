@@ -201,7 +201,8 @@ def lower_function(
     if pipeline:
         from tf_ipu.lowering.stages import assign_stages
 
-        assign_stages(module, int(pipeline["stages"]))
+        assign_stages(module, int(pipeline["stages"]),
+                      checkpoints=bool(pipeline.get("recomputation_checkpoints")))
 
     from tf_ipu.variables import IPUVariable
 
@@ -296,7 +297,8 @@ def lower_function(
         sig["replicas"] = int(replicas)
     if pipeline:
         sig["pipeline"] = {k: pipeline[k] for k in ("stages", "stage_ipus", "ipus_per_replica",
-                                                    "schedule", "micro_batches", "recomputation")}
+                                                    "schedule", "micro_batches", "recomputation",
+                                                    "offload", "sharding") if k in pipeline}
     if resident_outputs:
         sig["op_outputs"] = op_outputs
     if dynamic_outputs:

@@ -6,6 +6,9 @@
     no scope (the loss, loop plumbing, constants): the stage of an operand that has one, else
       of a user that has one, else 0; a called computation's untagged instructions take the
       stage of the instruction that calls it.
+    recomputation checkpoints (tf_ipu.pipelining.recomputation_checkpoint): the forward
+      `reshape` in a "tf_ipu_recomputation_checkpoint" scope gets the flag
+      ``recomputation_checkpoint`` when the pipeline's recomputation mode honours them.
 
 The tile model reads the attribute to plan each stage on its IPU (docs/tile_model.md); the
 emulator runs the program as any other (a pipeline computes what its micro-batches, run one
@@ -20,8 +23,19 @@ from device_server.protocol import ir_pb2
 
 #: The IR attribute holding an instruction's stage (docs/ir.md).
 STAGE_ATTR = "pipeline_stage"
+#: The IR attribute (flag) of a recomputation checkpoint's instruction (docs/ir.md).
+CHECKPOINT_ATTR = "recomputation_checkpoint"
 # TF makes a name scope entered twice unique with a suffix: "tf_ipu_stage_0_1" is stage 0.
 _SCOPE = re.compile(r"(?:^|/)tf_ipu_stage_(\d+)(?:_\d+)?(?=/|$)")
+_CHECKPOINT = re.compile(r"(?:^|/)tf_ipu_recomputation_checkpoint(?:_\d+)?/")
+_GRADIENT = re.compile(r"(?:^|/)(?:gradient_tape|gradients)/")
+
+
+def is_checkpoint(instr: ir_pb2.Instruction) -> bool:
+    """Whether ``instr`` is the forward op of a recomputation checkpoint (its gradient, the
+    same reshape under ``gradient_tape/``, is not)."""
+    return (instr.opcode == "reshape" and bool(_CHECKPOINT.search(instr.source_op))
+            and not _GRADIENT.search(instr.source_op))
 
 
 def scoped_stage(source_op: str) -> int | None:
@@ -30,10 +44,11 @@ def scoped_stage(source_op: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def assign_stages(module: ir_pb2.Module, stages: int) -> list[int]:
-    """Sets ``pipeline_stage`` on every instruction of ``module``; returns how many
-    instructions each of the ``stages`` stages has. A scope naming a stage beyond
-    ``stages - 1`` is a ValueError (the host's stage count is wrong)."""
+def assign_stages(module: ir_pb2.Module, stages: int, checkpoints: bool = False) -> list[int]:
+    """Sets ``pipeline_stage`` on every instruction of ``module`` (and, with ``checkpoints``,
+    ``recomputation_checkpoint`` on recomputation checkpoints); returns how many instructions
+    each of the ``stages`` stages has. A scope naming a stage beyond ``stages - 1`` is a
+    ValueError (the host's stage count is wrong)."""
     by_id = {c.id: c for c in module.computations}
     caller_stage: dict[int, int] = {}
     order = [module.entry_computation_id]
@@ -67,6 +82,8 @@ def assign_stages(module: ir_pb2.Module, stages: int) -> list[int]:
             s = stage_of[instr.id]
             s = 0 if s is None else s
             instr.attrs[STAGE_ATTR].i = s
+            if checkpoints and is_checkpoint(instr):
+                instr.attrs[CHECKPOINT_ATTR].flag = True
             counts[s] += 1
             for called in instr.called_computations:
                 caller_stage.setdefault(called, s)
@@ -76,4 +93,4 @@ def assign_stages(module: ir_pb2.Module, stages: int) -> list[int]:
     return counts
 
 
-__all__ = ["STAGE_ATTR", "assign_stages", "scoped_stage"]
+__all__ = ["CHECKPOINT_ATTR", "STAGE_ATTR", "assign_stages", "is_checkpoint", "scoped_stage"]

@@ -18,6 +18,9 @@ Plan (made once, when the program is compiled):
 - every window position is then visible through one strided view of the frame; blocks of
   output rows are copied out of it (im2col, a few MiB at a time) and multiplied with the
   kernel, one ``matmul`` per block batched over the groups;
+- channels first in and out (ONNX's NCHW): a 1x1 stride-1 unpadded convolution is, per image,
+  the kernel (out, in) times the input (in, spatial), straight into the result; the im2col
+  blocks of other windows are transposed into the channels-first result as each is made;
 - a 1x1 stride-1 unpadded convolution is a single matmul of the input; any other 1x1 window
   (strides, padding, base dilation: the input gradient of a strided 1x1 convolution) is one
   matmul of the input elements an output position reads, placed into zeros;
@@ -160,6 +163,13 @@ def convolution(ctx: KernelContext) -> KernelFn:
     for i, d in enumerate(osp):
         out_perm[d] = 1 + i
     out_identity = out_perm == list(range(k + 2))
+    # Channels first in and out (ONNX's NCHW): a 1x1 stride-1 convolution is, per batch item,
+    # the kernel (out, in) times the input (in, spatial) into the output (out, spatial), and
+    # im2col blocks are written into the channels-first result as they are made (in cache,
+    # on the emulator's threads), instead of one transposition of the whole result at the end.
+    ident = tuple(range(k + 2))
+    out_channels_first = bool(k) and (ob, o_f, *osp) == ident
+    in_channels_first = bool(k) and (ib, i_f, *isp) == ident
 
     # Without spatial dimensions, work on one spatial dimension of size 1.
     ws = w if k else Window((1,), (1,), (0,), (0,), (1,), (1,), (False,))
@@ -183,6 +193,10 @@ def convolution(ctx: KernelContext) -> KernelFn:
     # 1x1 convolution): one matmul of the input elements some output reads, placed into
     # zeros; no frame, no im2col.
     unit = not chunk and not pointwise and kp == 1 and groups == 1 and bool(k)
+    pointwise_cf = pointwise and in_channels_first and out_channels_first
+    hw = math.prod(sp)
+    pw_parts = [(i, r0, r1) for i in range(n)
+                for r0, r1 in parallel.split(ko, max(1, min(parallel.threads(), (ko * c * hw) // parallel.MIN_PART_MACS)))]
     unit_slices = _unit_window_slices(sp, os_, ws) if unit else None
     row_budget = max(1, _BLOCK_ELEMENTS // max(1, groups * kc))
     blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
@@ -299,6 +313,18 @@ def convolution(ctx: KernelContext) -> KernelFn:
             out[(slice(None), *(o for o, _ in unit_slices), slice(None))] = res.reshape((*x.shape[:-1], ko))
         return finish(out)
 
+    def run_pointwise_channels_first(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(lhs, dtype=cdt).reshape(n, c, hw)
+        kt = prepare_kernel(rhs)[0].T  # (out, in): a view, BLAS reads it transposed
+        out = np.empty((n, ko, hw), cdt)
+
+        def part(j: int) -> None:
+            i, r0, r1 = pw_parts[j]
+            np.matmul(kt[r0:r1], x[i], out=out[i, r0:r1])
+
+        parallel.run_parts(part, len(pw_parts))
+        return out.reshape(out_shape).astype(out_dt, copy=False)
+
     def run(operands: Sequence[Any]) -> np.ndarray:
         lhs, rhs = np.asarray(operands[0]), np.asarray(operands[1])
         if lhs.shape != lhs_shape or rhs.shape != rhs_shape:
@@ -310,6 +336,8 @@ def convolution(ctx: KernelContext) -> KernelFn:
             return run_by_position(lhs, rhs)
         if unit:
             return run_unit(lhs, rhs)
+        if pointwise_cf:
+            return run_pointwise_channels_first(lhs, rhs)
         p = prepare_input(lhs)
         kern = prepare_kernel(rhs)
         if pointwise:
@@ -334,8 +362,10 @@ def convolution(ctx: KernelContext) -> KernelFn:
             parallel.run_parts(dw_block, len(dw_blocks))
             return finish(np.moveaxis(out, 0, -1) if og > 1 else out[0])
         view = windows(p, grouped=True)
-        out = np.empty((nb, *os_, ko), cdt)
         rest = os_[1:]
+        # channels first: each block's rows are made in a buffer of their own, then written
+        # (transposed, while in cache) into the result
+        out = np.empty((nb, ko, *os_) if out_channels_first else (nb, *os_, ko), cdt)
 
         def block(i: int) -> None:
             n0, n1, a0, a1 = blocks[i]
@@ -343,7 +373,7 @@ def convolution(ctx: KernelContext) -> KernelFn:
             blk = parallel.scratch(groups * m * kc, cdt).reshape((groups, n1 - n0, a1 - a0, *rest, *ks, cg))
             np.copyto(blk, view[:, n0:n1, a0:a1])
             lhs_rows = blk.reshape(groups, m, kc)
-            dst = out[n0:n1, a0:a1].reshape(m, ko)
+            dst = np.empty((m, ko), cdt) if out_channels_first else out[n0:n1, a0:a1].reshape(m, ko)
             if chunk:  # FP16 partials
                 res = numerics.chunked_matmul(lhs_rows, kern, chunk)
                 dst.reshape(m, groups, og)[...] = res.transpose(1, 0, 2)
@@ -351,8 +381,12 @@ def convolution(ctx: KernelContext) -> KernelFn:
                 np.matmul(lhs_rows[0], kern[0], out=dst)
             else:
                 dst.reshape(m, groups, og)[...] = np.matmul(lhs_rows, kern).transpose(1, 0, 2)
+            if out_channels_first:
+                out[n0:n1, :, a0:a1] = np.moveaxis(dst.reshape(n1 - n0, a1 - a0, *rest, ko), -1, 1)
 
         parallel.run_parts(block, len(blocks))
+        if out_channels_first:
+            return out.astype(out_dt, copy=False)
         return finish(out)
 
     return run

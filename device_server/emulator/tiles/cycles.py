@@ -8,7 +8,8 @@ before it runs); it costs as much as its slowest tile in each phase:
   that splits into fewer than six pieces runs at ``pieces / 6`` of it. Each piece is one worker
   vertex that pays ``vertex_overhead_cycles``. Work is the larger of its arithmetic at the rate
   of the unit that does it (AMP or vector, FP16 or FP32) and its tile-memory traffic at
-  ``memory_bytes_per_cycle_per_tile`` (a roofline per tile);
+  ``memory_bytes_per_cycle_per_tile`` x ``library_memory_efficiency`` (a roofline per tile;
+  the efficiency is fitted to STREAM measured with Poplar's primitives);
 * **sync**: ``sync_cycles`` per superstep;
 * **exchange**: ``exchange_overhead_cycles`` plus the busiest tile's bytes in or out over
   ``exchange_bytes_per_cycle_per_tile`` (a tile sends and receives at that rate at once; one
@@ -21,7 +22,8 @@ import math
 
 from device_server.emulator.arch import Target
 
-__all__ = ["compute_cycles", "exchange_cycles", "host_seconds", "vector_rate", "worker_pieces"]
+__all__ = ["compute_cycles", "exchange_cycles", "host_seconds", "memory_rate", "vector_rate",
+           "worker_pieces"]
 
 
 def vector_rate(target: Target, itemsize: int) -> float:
@@ -29,6 +31,12 @@ def vector_rate(target: Target, itemsize: int) -> float:
     if itemsize <= 2:
         return target.vector_fp16_flops_per_cycle_per_tile
     return target.vector_fp32_flops_per_cycle_per_tile
+
+
+def memory_rate(target: Target) -> float:
+    """Bytes per cycle a tile's library vertices move through its memory: the read port's
+    rate times the share of it they sustain (fitted: ``library_memory_efficiency``)."""
+    return target.memory_bytes_per_cycle_per_tile * target.library_memory_efficiency
 
 
 def worker_pieces(target: Target, elements: float, itemsize: int) -> int:
@@ -44,7 +52,7 @@ def compute_cycles(target: Target, flops: float, mem_bytes: float, rate: float,
         return 0.0
     workers = target.worker_threads_per_tile
     occupancy = max(1, min(workers, int(pieces))) / workers
-    work = max(flops / (rate * occupancy), mem_bytes / (target.memory_bytes_per_cycle_per_tile * occupancy))
+    work = max(flops / (rate * occupancy), mem_bytes / (memory_rate(target) * occupancy))
     return work + target.vertex_overhead_cycles * max(1, vertices_per_worker)
 
 

@@ -392,6 +392,9 @@ def render_html(report: dict[str, Any]) -> str:
     for k in ("model", "batch_size", "global_batch", "training", "inputs"):
         if k in ctx:
             summary.append((k.replace("_", " "), ctx[k]))
+    if ctx.get("available_memory_proportion"):
+        summary.append(("availableMemoryProportion", ", ".join(
+            f"{op} {v:g}" for op, v in ctx["available_memory_proportion"].items())))
     summary += [
         ("latency per call", _fmt_s(seconds)),
         ("throughput", f"{thr:,.1f} {'items' if items else 'calls'}/s"),

@@ -26,6 +26,13 @@ If a tile's operands and partials exceed ``available_memory_proportion`` of its 
 plan runs in ``sk`` serial passes over ``K`` (and ``sn`` over ``N``), each a superstep with its
 own exchange, as Poplar's serial splits do. The search evaluates every combination of splits
 from a geometric grid at once with numpy and keeps the fastest that fits.
+
+The proportion is PopLibs' ``availableMemoryProportion`` (``plan_matmul``'s
+``memory_proportion``; the preset's 0.6 when not given): a lower one leaves fewer candidates,
+so the plan holds fewer temporaries per tile and costs as many cycles or more. When no split
+fits it, Poplar warns and plans again with the bound doubled; so does the search here, up to
+the whole tile, and then keeps the split with the least temporary memory (``fits_budget`` is
+False). A proportion of 0 asks for the least temporary memory at once, as in PopLibs.
 """
 
 from __future__ import annotations
@@ -88,7 +95,9 @@ class MatmulPlan:
     reduce_recv_bytes_per_tile: float  # partials received by the busiest tile (all N passes)
     temp_bytes_per_tile: float  # operand buffers + partials live at once on a tile
     amp: bool
-    fits_budget: bool
+    fits_budget: bool          # planned within memory_proportion of a tile
+    memory_proportion: float = 0.6   # the availableMemoryProportion planned for
+    budget_bytes: float = 0.0        # temporaries per tile the chosen plan was held to (0: least)
 
     @property
     def passes(self) -> int:
@@ -130,10 +139,17 @@ def _ceil(a: np.ndarray | float, b: np.ndarray | float) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_matmul(problem: MatmulProblem, target: Target) -> MatmulPlan:
+def plan_matmul(problem: MatmulProblem, target: Target,
+                memory_proportion: float | None = None) -> MatmulPlan:
     """The fastest split of ``problem`` over ``target``'s tiles whose temporaries fit
-    ``available_memory_proportion`` of a tile (else of a whole tile; else the smallest)."""
+    ``memory_proportion`` of a tile (None: the preset's ``available_memory_proportion``);
+    else, as Poplar replans, within twice, four times ... that share, up to a whole tile;
+    else the split with the least temporary memory (``fits_budget`` False)."""
     t = target
+    proportion = t.available_memory_proportion if memory_proportion is None else float(memory_proportion)
+    if not 0.0 <= proportion <= 1.0:
+        raise ValueError(f"memory_proportion must be in [0, 1] (availableMemoryProportion). "
+                         f"Received: {memory_proportion!r}")
     T = t.tiles_per_ipu
     G, M, N, K, W = problem.groups, problem.m, problem.n, problem.k, problem.window
     pg, pm, pn, pk = np.meshgrid(_grid(G, T, 2.0), _grid(M, T), _grid(N, T), _grid(K, T),
@@ -146,7 +162,9 @@ def plan_matmul(problem: MatmulProblem, target: Target) -> MatmulPlan:
     half = problem.itemsize <= 2
     kg = t.amp_fp16_input_channels if half else t.amp_fp32_input_channels
     ng = t.amp_fp16_output_channels if half else t.amp_fp32_output_channels
-    amp_rate = t.amp_fp16_flops_per_cycle_per_tile if half else t.amp_fp32_flops_per_cycle_per_tile
+    # The AMP's peak times the share of it an inner loop sustains (fitted to measured ceilings).
+    amp_rate = (t.amp_fp16_flops_per_cycle_per_tile * t.amp_fp16_efficiency if half
+                else t.amp_fp32_flops_per_cycle_per_tile * t.amp_fp32_efficiency)
     vec_rate = t.vector_fp16_flops_per_cycle_per_tile if half else t.vector_fp32_flops_per_cycle_per_tile
     vec_work = 2.0 * g * m * n * k * W / vec_rate
     if problem.floating:
@@ -178,9 +196,19 @@ def plan_matmul(problem: MatmulProblem, target: Target) -> MatmulPlan:
     reduce = pk > 1
 
     red_recv = np.where(reduce, (pk - 1) / pk * partials, 0.0)
+    # What the plan also lays out on each of its tiles (not temporaries, but the same tile):
+    # the result, and the operands laid out for it. Below the preset's proportion, a plan is
+    # preferred only if they fit beside its temporaries: else a small proportion would pile
+    # the product onto a few tiles, whose local operands need no temporaries. (At the preset's
+    # proportion and above, the search is the calibrated one, unchanged.)
+    held = (G * M * N * problem.out_itemsize + (problem.a_bytes if problem.a_local else 0)
+            + (problem.b_bytes if problem.b_local else 0)) / tiles
+    sram = float(t.sram_bytes_per_tile)
+    check_held = proportion < t.available_memory_proportion
 
-    def solve(budget: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(sk, memory per tile, feasible) for every candidate and serial N split."""
+    def solve(budget: float, roomy: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sk, memory per tile, feasible) for every candidate and serial N split; ``roomy``:
+        only those whose layouts (``held``) fit the tile beside their temporaries."""
         ops = recv_a + recv_b / sn
         # The reduction of one N pass holds its partials and what it receives.
         red_mem = np.where(reduce, (partials + red_recv) / sn, 0.0)
@@ -192,19 +220,40 @@ def plan_matmul(problem: MatmulProblem, target: Target) -> MatmulPlan:
         sk = np.maximum(sk, 1.0)
         mem = np.maximum(np.where(sk > 1, ops / sk + partials / sn, mem1), red_mem)
         feasible = (sk <= k * W) & np.isfinite(sk) & (mem <= budget)
+        if roomy:
+            feasible &= mem + held <= sram
         return sk, mem, feasible
 
-    sram = float(t.sram_bytes_per_tile)
-    sk, mem, feasible = solve(t.available_memory_proportion * sram)
-    fits_budget = True
-    if not feasible.any():
-        fits_budget = False
-        sk, mem, feasible = solve(sram)
+    # Poplar's bounds: the proportion's share of the tile, then doubled while nothing fits
+    # (here up to the whole tile: a plan beyond it cannot run); 0: the least memory at once.
+    budgets: list[float] = []
+    budget = proportion * sram
+    while 0.0 < budget < sram:
+        budgets.append(budget)
+        budget *= 2.0
+    if proportion > 0.0:
+        budgets.append(sram)
+    budget = 0.0
+    for roomy in ((True, False) if check_held else (False,)):
+        for budget in budgets:
+            sk, mem, feasible = solve(budget, roomy)
+            if feasible.any():
+                break
+        if not budgets or feasible.any():
+            break
+    fits_budget = bool(budgets) and budget == budgets[0]
+    least = not budgets
+    if least:  # proportion 0: every candidate at its most serial passes over K
+        ops = recv_a + recv_b / sn
+        sk = np.broadcast_to(np.maximum(1.0, k * W), ops.shape)
+        mem = np.maximum(np.where(sk > 1, ops / sk + partials / sn, ops + np.where(reduce, partials / sn, 0.0)),
+                         np.where(reduce, (partials + red_recv) / sn, 0.0))
+        feasible = np.zeros(ops.shape, dtype=bool)
     passes = sk * sn
     exchange_bytes = recv_a * sn + recv_b
     exch = exchange_bytes / t.exchange_bytes_per_cycle_per_tile + passes * t.exchange_overhead_cycles
     sync = passes * t.sync_cycles
-    compute = work + passes * t.vertex_overhead_cycles
+    compute = work + passes * (t.vertex_overhead_cycles + t.matmul_pass_overhead_cycles)
     red_pieces = np.minimum(workers, np.maximum(1.0, g * m * n / pk / 2))
     red_compute = np.where(
         reduce, (pk - 1) / pk * g * m * n / (t.vector_fp32_flops_per_cycle_per_tile * red_pieces / workers)
@@ -214,14 +263,17 @@ def plan_matmul(problem: MatmulProblem, target: Target) -> MatmulPlan:
     total = compute + exch + sync + red_compute + red_exch
     total_b = np.broadcast_to(total, sk.shape)
     if feasible.any():
-        score = np.where(feasible, total_b, np.inf)
+        flat = int(np.argmin(np.where(feasible, total_b, np.inf)))
+    elif least:  # the least temporary memory (of the plans whose layouts fit); the fewest cycles
+        over = np.broadcast_to(mem + held > sram, sk.shape).ravel()
+        flat = int(np.lexsort((total_b.ravel(), np.broadcast_to(mem, sk.shape).ravel(), over))[0])
     else:  # nothing fits even a whole tile: the least memory (the memory model reports it)
-        fits_budget = False
+        fits_budget, budget = False, 0.0
         score = np.where(np.isfinite(sk), mem, np.inf)
         if not np.isfinite(score).any():
             score = np.broadcast_to(recv_a + recv_b / sn + partials / sn, sk.shape)
             sk = np.full_like(sk, k * W)
-    flat = int(np.argmin(score))
+        flat = int(np.argmin(score))
     i, j = np.unravel_index(flat, sk.shape)
 
     def at(a: np.ndarray) -> float:
@@ -237,4 +289,5 @@ def plan_matmul(problem: MatmulProblem, target: Target) -> MatmulPlan:
         recv_bytes_per_tile=at(exchange_bytes), reduce_recv_bytes_per_tile=at(red_recv),
         temp_bytes_per_tile=temp, amp=bool(at(use_amp)) if problem.floating else False,
         fits_budget=fits_budget and math.isfinite(at(sk)),
+        memory_proportion=proportion, budget_bytes=budget,
     )

@@ -36,6 +36,11 @@
             by stage s's backward); with recomputation (stages with k_s > 1): the stage's
             input checkpoint instead (what its forward reads from other stages and the
             streamed inputs), and B_s += F_s (the forward runs again before the backward)
+      optimizer state offloaded (variables only the weight update reads; Streaming Memory,
+            system.streaming_memory_bytes_per_s): per tile max(total - state, always-live
+            rest + state / shards) (streamed in only for the update, when nothing is
+            stashed); U_s / shards + 2 x state / shards / bandwidth per update. "auto": only
+            on an IPU that does not fit otherwise. shards: replicas with sharding, else 1
 
 Everything assumed is named in ``PIPELINE_ASSUMPTIONS`` and docs/tile_model.md.
 """
@@ -50,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from device_server.emulator.arch import Target
-from device_server.emulator.tiles.irinfo import layer_name, stage_of
+from device_server.emulator.tiles.irinfo import VIEW_OPS, layer_name, stage_of
 from device_server.emulator.tiles.liveness import stored
 from device_server.emulator.tiles.memory import CATEGORIES, IpuView, MemoryProfile, profile_memory
 from device_server.emulator.tiles.memory import Schedule as MemorySchedule
@@ -83,9 +88,16 @@ PIPELINE_ASSUMPTIONS = (
     "sends in one slot do not share links",
     "pipeline memory: one micro-batch's working set per IPU (the whole program's schedule) "
     "plus (k - 1) more stashes per stage, k the micro-batches in flight there; recomputation "
-    "stashes the stage's input checkpoint and runs its forward again before the backward",
+    "stashes the stage's input checkpoint and runs its forward again before the backward "
+    "(with recomputation checkpoints: stashes them too, and runs again only what a backward "
+    "read needs from the latest checkpoint)",
     "pipelined replicas: each IPU all-reduces its stages' gradients over the ring of the IPUs "
     "holding them once per weight update; host transfers over the replicas' first IPUs' links",
+    "optimizer state (variables only the weight update reads) offloaded: off the IPU except "
+    "during the weight update, when no stash is live; read and written once per update over "
+    "the system's Streaming Memory bandwidth, not overlapped; sharded over R replicas: 1/R "
+    "of it and of the update's compute on each, the gradients' all-reduce unchanged "
+    "(reduce-scatter and all-gather move the same bytes)",
 )
 
 
@@ -105,6 +117,8 @@ class Placement:
     schedule: str
     micro_batches: int
     recomputation: bool
+    offload: str = "auto"            # optimizer state in Streaming Memory: "auto", "on", "off"
+    sharding: bool = False           # optimizer state sharded over the replicas
 
     def ipu_id(self, replica: int, ipu: int) -> int:
         """The system's IPU that runs IPU ``ipu`` of replica ``replica``."""
@@ -123,7 +137,9 @@ class Placement:
         return (f"{self.stages} stages ({mapping}) over {self.ipus_per_replica} IPU(s) per "
                 f"replica, {self.replicas} replica(s) on {self.system.name} IPUs "
                 f"{', '.join(map(str, self.ipu_ids))}; {self.schedule}, {self.micro_batches} "
-                f"micro-batch(es) per weight update" + (", recomputation" if self.recomputation else ""))
+                f"micro-batch(es) per weight update" + (", recomputation" if self.recomputation else "")
+                + (", optimizer state offloaded" if self.offload == "on" else "")
+                + (", optimizer state sharded over the replicas" if self.sharding else ""))
 
 
 def _power_of_two(n: int) -> int:
@@ -133,17 +149,26 @@ def _power_of_two(n: int) -> int:
 def placement(stages: int, stage_ipus: Iterable[int], ipus_per_replica: int, replicas: int,
               system: hardware.System | str | None, ipu_ids: Iterable[int], target: Target,
               schedule: str = "grouped", micro_batches: int = 1,
-              recomputation: bool = False) -> Placement:
+              recomputation: bool = False, offload: str | bool | None = "auto",
+              sharding: bool = False) -> Placement:
     """The checked placement of a pipelined program (``ipus_per_replica`` 0: the IPUs the
     stages name, rounded up to a power of two, as Graphcore rounds). ``ipu_ids``: every IPU
     of every replica, replica by replica, or each replica's first IPU (its IPUs are then that
     one and the next ``ipus_per_replica - 1``); empty: the system's first IPUs.
 
+    ``offload`` (Graphcore's ``offload_weight_update_variables``): the optimizer state (the
+    variables only the weight update reads) lives in the system's Streaming Memory and is
+    streamed in and out at each weight update: "on" (True), "off" (False), or "auto" (None:
+    only on an IPU that does not fit otherwise, where the system has Streaming Memory).
+    ``sharding`` (``replicated_optimizer_state_sharding``): each replica holds and updates
+    1/replicas of the offloaded state.
+
     Raises:
         ValueError: naming the numbers: a stage count below 1, ``stage_ipus`` not one IPU per
             stage or naming an IPU the replica lacks, an unknown schedule, micro-batches
             below 1, more IPUs than the system has, ``ipu_ids`` not one distinct IPU of the
-            system per replica IPU, or a system of another IPU version.
+            system per replica IPU, a system of another IPU version, or offload "on" on a
+            system without Streaming Memory.
     """
     for name, v in (("pipeline_stages", stages), ("replicas", replicas),
                     ("micro_batches", micro_batches), ("ipus_per_replica", ipus_per_replica)):
@@ -193,8 +218,23 @@ def placement(stages: int, stage_ipus: Iterable[int], ipus_per_replica: int, rep
         check_ipu_ids(ids, system)
     else:
         ids = tuple(range(need))
+    mode = {True: "on", False: "off", None: "auto"}.get(offload, offload)  # type: ignore[call-overload]
+    mode = str(mode or "auto").lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"offload_weight_update_variables must be True, False or None (auto). "
+                         f"Received: {offload!r}")
+    if mode == "on" and not system.streaming_memory_bytes:
+        with_memory = sorted(n for n, s in hardware.SYSTEMS.items() if s.streaming_memory_bytes)
+        raise ValueError(
+            f"offload_weight_update_variables=True needs Streaming Memory, which system "
+            f"{system.name!r} ({system.description}) does not have; systems with it: "
+            f"{', '.join(with_memory)}. Set it to False or None (auto).")
+    if sharding and mode == "off":
+        raise ValueError("replicated_optimizer_state_sharding shards the offloaded optimizer "
+                         "state: it needs offload_weight_update_variables True or None (auto), "
+                         "not False.")
     return Placement(stages, mapping, per, replicas, system, ids, kind, micro_batches,
-                     bool(recomputation))
+                     bool(recomputation), mode, bool(sharding))
 
 
 # ------------------------------------------------------------------------------ schedules
@@ -270,7 +310,21 @@ def phases(module: ir_pb2.Module) -> dict[str, str]:
                 p = "update"
             else:
                 p = "forward"
-            phase[instr.id] = out[instr.name] = p
+            phase[instr.id] = p
+        # What only the weight update consumes runs with it (a momentum's decay, which
+        # needs no gradient itself): "update" too, users before operands.
+        users: dict[int, list[int]] = {}
+        for instr in comps[comp_id].instructions:
+            for o in instr.operands:
+                users.setdefault(o, []).append(instr.id)
+        root = comps[comp_id].root_id
+        for instr in reversed(comps[comp_id].instructions):
+            if (phase[instr.id] == "forward" and instr.opcode != "parameter" and instr.id != root
+                    and users.get(instr.id)
+                    and all(phase[u] == "update" for u in users[instr.id])):
+                phase[instr.id] = "update"
+        for instr in comps[comp_id].instructions:
+            p = out[instr.name] = phase[instr.id]
             for c in instr.called_computations:
                 visit(c, p)
 
@@ -375,6 +429,9 @@ def _plans(ctx: CompPlan) -> Iterator[CompPlan]:
                 yield from _plans(c)
 
 
+# Memory categories live from start to end (the rest, activations and temporaries, come and go).
+_ALWAYS_LIVE = ("variables", "inputs", "constants", "code and vertex state", "exchange code")
+
 # Instructions whose operands are read by the computations they call, not by themselves.
 _PASSES_ON = frozenset({"while", "call", "conditional"})
 
@@ -417,7 +474,10 @@ def _views(plan: ModulePlan, where: Placement, traffic: _Traffic) -> dict[int, I
         views[where.stage_ipus[st]].points.add(pid)
     for b in traffic.bufs + plan.params + plan.constants:
         own = where.stage_ipus[min(stage_of(b.instr), S - 1)]
-        if b.ctx is not None or b.kind == "constant" or b.kind == "variable":
+        read = traffic.readers.get(id(b))
+        # A variable lives where the stages reading it run (an entry parameter handed to
+        # the device loop is tagged with the loop's stage, not its readers').
+        if b.ctx is not None or b.kind == "constant" or (b.kind == "variable" and not read):
             views[own].bufs.add(id(b))
         for st, _ in traffic.readers.get(id(b), ()):
             views[where.stage_ipus[st]].bufs.add(id(b))
@@ -428,9 +488,13 @@ def _views(plan: ModulePlan, where: Placement, traffic: _Traffic) -> dict[int, I
 
 def _stash(plan: ModulePlan, traffic: _Traffic, phase: dict[str, str], S: int, T: int
            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per stage, per tile: what it stashes for its backward, and its input checkpoint."""
+    """Per stage, per tile: what it stashes for its backward, and what it stashes instead when
+    recomputed: its input checkpoint (what its forward reads from other stages, and the
+    streamed inputs) plus its recomputation checkpoints (``_recomputation``)."""
     stash = [np.zeros(T) for _ in range(S)]
     ckpt = [np.zeros(T) for _ in range(S)]
+    comps = {id(b.ctx.comp): b.ctx.comp for b in traffic.bufs if b.ctx is not None}
+    kept = set().union(*(_recomputation(c, phase, S)[0] for c in comps.values()))
     args = [b for b in plan.params if b.kind == "argument"]
     for b in traffic.bufs + args:
         if b.mapping is None:
@@ -439,6 +503,8 @@ def _stash(plan: ModulePlan, traffic: _Traffic, phase: dict[str, str], S: int, T
         if made != "forward":
             continue
         src = -1 if b.ctx is None else min(stage_of(b.instr), S - 1)
+        if b.ctx is not None and b.instr.name in kept:
+            b.mapping.add_to(ckpt[src], b.itemsize)
         reads = traffic.readers.get(id(b), set())
         for s in {st for st, _ in reads}:
             if (s, "backward") in reads:
@@ -446,6 +512,125 @@ def _stash(plan: ModulePlan, traffic: _Traffic, phase: dict[str, str], S: int, T
             if (s, "forward") in reads and src != s:
                 b.mapping.add_to(ckpt[s], b.itemsize)
     return stash, ckpt
+
+
+#: IR attribute of an instruction whose value is a recomputation checkpoint (docs/ir.md).
+CHECKPOINT_ATTR = "recomputation_checkpoint"
+
+
+def _recomputation(comp: ir_pb2.Computation, phase: dict[str, str], S: int
+                   ) -> tuple[set[str], dict[int, set[str]]]:
+    """Recomputation checkpoints of one computation (``recomputation_checkpoint`` marks, seen
+    through views to the instruction that makes the value): the names of the checkpointed
+    values' makers, and per stage with a checkpoint the forward instructions its
+    recomputation runs again: those a backward read reaches through forward operands without
+    crossing a checkpointed value, a parameter or another stage's instruction (recomputation
+    starts again from the latest checkpoint, as Graphcore's RecomputeAndBackpropagateInterleaved)."""
+    by_id = {i.id: i for i in comp.instructions}
+
+    def root(i: ir_pb2.Instruction) -> ir_pb2.Instruction:
+        while i.opcode in VIEW_OPS and i.operands and i.operands[0] in by_id:
+            i = by_id[i.operands[0]]
+        return i
+
+    marks = [i for i in comp.instructions
+             if CHECKPOINT_ATTR in i.attrs and i.attrs[CHECKPOINT_ATTR].flag]
+    if not marks:
+        return set(), {}
+    held = {root(i).id for i in marks}
+    again: dict[int, set[str]] = {min(stage_of(i), S - 1): set() for i in marks}
+    todo = [(o, -1) for i in comp.instructions if phase.get(i.name) == "backward" for o in i.operands]
+    seen: set[tuple[int, int]] = set()
+    while todo:
+        oid, stage = todo.pop()
+        ins = by_id.get(oid)
+        if (oid, stage) in seen or ins is None:
+            continue
+        seen.add((oid, stage))
+        s = min(stage_of(ins), S - 1)
+        if (ins.opcode == "parameter" or phase.get(ins.name, "forward") != "forward"
+                or root(ins).id in held or (stage >= 0 and s != stage)):
+            continue
+        if s in again:
+            again[s].add(ins.name)
+        todo.extend((o, s) for o in ins.operands)
+    return {by_id[h].name for h in held}, again
+
+
+def _recompute_cycles(plan: ModulePlan, module: ir_pb2.Module, phase: dict[str, str],
+                      costs: list[_StageCosts], S: int) -> list[float]:
+    """Per stage, the cycles its recomputation adds to a micro-batch's backward: its whole
+    forward, or with recomputation checkpoints only the forward instructions
+    ``_recomputation`` names (and what they call), at their planned cycles."""
+    again: dict[int, set[str]] = {}
+    for comp in module.computations:
+        for s, names in _recomputation(comp, phase, S)[1].items():
+            again.setdefault(s, set()).update(names)
+    out = [c.forward for c in costs]
+    if not again:
+        return out
+    comps = {c.id: c for c in module.computations}
+    called = {i.name: list(i.called_computations) for c in module.computations for i in c.instructions}
+    for names in again.values():  # a recomputed call, loop or reduce runs what it calls again
+        work = [c for n in list(names) for c in called.get(n, ())]
+        while work:
+            comp = comps.get(work.pop())
+            for i in comp.instructions if comp is not None else ():
+                if i.name not in names:
+                    names.add(i.name)
+                    work.extend(i.called_computations)
+    totals = dict.fromkeys(again, 0.0)
+
+    def visit(steps: Iterable[Step], mult: float, loop_body: bool) -> None:
+        for st in steps:
+            device_loop = st.kind == "loop" and not loop_body and st.name in loops
+            s = min(max(st.stage, 0), S - 1)
+            if s in again and st.name in again[s] and phase.get(st.name, "forward") == "forward":
+                totals[s] += (st.compute + st.exchange + st.sync) * mult
+            for child in st.children:
+                visit(child.steps, mult if device_loop else mult * st.repeat, loop_body or device_loop)
+
+    loops = {i.name for c in module.computations for i in c.instructions if _is_device_loop(i)}
+    visit(plan.entry.steps, 1.0, False)
+    for s, total in totals.items():
+        out[s] = min(out[s], total)
+    return out
+
+
+def _optimizer_state(plan: ModulePlan, phase: dict[str, str], S: int, T: int) -> list[np.ndarray]:
+    """Per stage, per tile: its optimizer state, the variables only its weight update reads
+    (momenta, Adam's moments; not the weights, which its forward reads, nor the gradient
+    accumulators, which every micro-batch's backward adds to: with gradient accumulation the
+    weight update is the ``conditional`` that runs once per update)."""
+    reads: dict[int, set[tuple[str, bool, int]]] = {}  # buffer -> (phase, in a conditional, stage)
+    seen: set[tuple[int, bool]] = set()
+
+    def walk(ctx: CompPlan, in_cond: bool) -> None:
+        if (id(ctx), in_cond) in seen:
+            return
+        seen.add((id(ctx), in_cond))
+        for p in ctx.points:
+            inner = in_cond or p.instr.opcode == "conditional"
+            for alts in p.subs:
+                for c in alts:
+                    walk(c, inner)
+            if p.instr.opcode in _PASSES_ON:
+                continue
+            for b in p.uses:
+                reads.setdefault(id(b), set()).add((phase.get(p.instr.name, "forward"), in_cond,
+                                                    min(stage_of(p.instr), S - 1)))
+
+    walk(plan.entry, False)
+    conditional_updates = any(ph == "update" and c for r in reads.values() for ph, c, _ in r)
+    state = [np.zeros(T) for _ in range(S)]
+    for b in plan.params:
+        if b.kind != "variable" or b.mapping is None:
+            continue
+        r = reads.get(id(b), set())
+        if r and all(ph == "update" and (c or not conditional_updates) for ph, c, _ in r):
+            # On the IPU of the stage whose update reads it (the first, for a shared scalar).
+            b.mapping.add_to(state[min(st for _, _, st in r)], b.itemsize)
+    return state
 
 
 def _sends(traffic: _Traffic, phase: dict[str, str], where: Placement
@@ -487,7 +672,8 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
     recompute = [where.recomputation and backward and k[s] > 1 and costs[s].backward > 0
                  for s in range(S)]
     F = [c.forward for c in costs]
-    B = [c.backward + (c.forward if recompute[s] else 0.0) for s, c in enumerate(costs)]
+    again = _recompute_cycles(plan, module, phase, costs, S)  # per stage, when recomputed
+    B = [c.backward + (again[s] if recompute[s] else 0.0) for s, c in enumerate(costs)]
     U = [c.update for c in costs]
     traffic = _traffic(plan, phase, S)
     sends = _sends(traffic, phase, where)
@@ -517,6 +703,71 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
                               "transfer": round(transfer, 1), "sync": round(sync_cycles, 1),
                               "passes": [[s, i, kind] for s, i, kind in passes]})
     per_ipu_update = {i: sum(U[s] for s in range(S) if where.stage_ipus[s] == i) for i in used}
+    # Memory per IPU.
+    views = _views(plan, where, traffic)
+    stash, ckpt = _stash(plan, traffic, phase, S, T)
+    state = _optimizer_state(plan, phase, S, T) if backward else [np.zeros(T)] * S
+    shards = R if where.sharding and R > 1 else 1
+    streaming = system.streaming_memory_bytes_per_s
+    ipus = []
+    profiles: dict[int, tuple[MemoryProfile, np.ndarray]] = {}
+    offloaded: dict[int, float] = {}
+    moved: dict[int, np.ndarray] = {}      # per IPU, per tile: the bytes offloaded
+    offload_notes: list[str] = []
+    for i in used:
+        view = views[i]
+        prof = profile_memory(plan, view=view, schedule=memory)
+        extra_bytes = np.zeros(T)
+        held = np.zeros(T)
+        for s in view.stages:
+            if backward and k[s] > 1:
+                extra_bytes += (k[s] - 1) * (ckpt[s] if recompute[s] else stash[s])
+            held += state[s]
+        total = prof.total + extra_bytes
+        offload = held.sum() > 0 and streaming > 0 and (
+            where.offload == "on" or (where.offload == "auto" and total.max() > t.sram_bytes_per_tile))
+        if offload:
+            # Off the IPU but during the weight update, when no activation or stash is live:
+            # then its shard is streamed in beside what is always live, and back out.
+            always = sum(prof.categories[c] for c in _ALWAYS_LIVE)
+            total = np.maximum(prof.total - held + extra_bytes, always - held + held / shards)
+            offloaded[i] = float(held.sum())
+            stream = 2 * held.sum() / shards / streaming * clock
+            per_ipu_update[i] = per_ipu_update[i] / shards + stream
+            why = "as asked" if where.offload == "on" else "automatic: it does not fit otherwise"
+            offload_notes.append(
+                f"optimizer state of IPU {i}: {held.sum():,.0f} B in Streaming Memory ({why})"
+                + (f", 1/{shards} of it on each replica" if shards > 1 else "")
+                + f", streamed in and out at each weight update at "
+                f"{streaming / 1e9:g} GB/s: {stream / clock * 1e3:.3f} ms")
+        tile = int(np.argmax(total))
+        profiles[i] = (prof, extra_bytes)
+        off = held if offload else np.zeros(T)
+        moved[i] = off
+        ipus.append({
+            "ipu": i, "ipu_id": where.ipu_id(0, i), "stages": list(view.stages),
+            "peak_tile": tile, "peak_tile_bytes": int(math.ceil(total[tile])),
+            "fits": bool(total[tile] <= t.sram_bytes_per_tile),
+            "always_live_bytes": int(prof.always_live_bytes),
+            "stash_bytes": int(round(extra_bytes.sum())),
+            "optimizer_state_bytes": int(round(held.sum())),
+            "offloaded_bytes": int(round(offloaded.get(i, 0.0))),
+            "total_bytes": int(prof.always_live_bytes + prof.peak_not_always_live_bytes
+                               + extra_bytes.sum()),
+            "hlo_order_peak_tile_bytes": int(prof.hlo_order_peak_bytes + extra_bytes.max()),
+            "bytes_by_category": {c: int(round(prof.categories[c].sum()
+                                               + (extra_bytes.sum() if c == "activations" else 0)
+                                               - (off.sum() if c == "variables" else 0)))
+                                  for c in CATEGORIES},
+            "at_peak_tile": {c: int(round(prof.categories[c][tile]
+                                          + (extra_bytes[tile] if c == "activations" else 0)
+                                          - (off[tile] if c == "variables" else 0)))
+                             for c in CATEGORIES},
+            "tile_bytes": [int(round(x)) for x in total],
+        })
+    if where.sharding and not offloaded:
+        offload_notes.append("replicated_optimizer_state_sharding: nothing sharded, as no "
+                             "optimizer state is offloaded" + (" (one replica)" if R == 1 else ""))
     update_cycles = max(per_ipu_update.values(), default=0.0) + max(
         (send_cycles(s, "U") for s in range(S)), default=0.0)
     # All-reduces: each IPU of a replica over the ring of that IPU in every replica.
@@ -550,37 +801,6 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
     load = host_link_load(Replication(R, system, first_ipus, t), plan.host_bytes_in, plan.host_bytes_out)
     host = load.seconds * clock
 
-    # Memory per IPU.
-    views = _views(plan, where, traffic)
-    stash, ckpt = _stash(plan, traffic, phase, S, T)
-    ipus = []
-    profiles: dict[int, tuple[MemoryProfile, np.ndarray]] = {}
-    for i in used:
-        view = views[i]
-        prof = profile_memory(plan, view=view, schedule=memory)
-        extra_bytes = np.zeros(T)
-        for s in view.stages:
-            if backward and k[s] > 1:
-                extra_bytes += (k[s] - 1) * (ckpt[s] if recompute[s] else stash[s])
-        total = prof.total + extra_bytes
-        tile = int(np.argmax(total))
-        profiles[i] = (prof, extra_bytes)
-        ipus.append({
-            "ipu": i, "ipu_id": where.ipu_id(0, i), "stages": list(view.stages),
-            "peak_tile": tile, "peak_tile_bytes": int(math.ceil(total[tile])),
-            "fits": bool(total[tile] <= t.sram_bytes_per_tile),
-            "always_live_bytes": int(prof.always_live_bytes),
-            "stash_bytes": int(round(extra_bytes.sum())),
-            "total_bytes": int(prof.always_live_bytes + prof.peak_not_always_live_bytes
-                               + extra_bytes.sum()),
-            "hlo_order_peak_tile_bytes": int(prof.hlo_order_peak_bytes + extra_bytes.max()),
-            "bytes_by_category": {c: int(round(prof.categories[c].sum()
-                                               + (extra_bytes.sum() if c == "activations" else 0)))
-                                  for c in CATEGORIES},
-            "at_peak_tile": {c: int(round(prof.categories[c][tile] + (extra_bytes[tile] if c == "activations" else 0)))
-                             for c in CATEGORIES},
-            "tile_bytes": [int(round(x)) for x in total],
-        })
     worst = max(ipus, key=lambda d: d["peak_tile_bytes"])
     prof, extra_bytes = profiles[worst["ipu"]]
     tile = worst["peak_tile"]
@@ -617,7 +837,7 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
         stage_rows.append({
             "stage": s, "ipu": where.stage_ipus[s], "ipu_id": where.ipu_id(0, where.stage_ipus[s]),
             "forward_cycles": round(c.forward, 1), "backward_cycles": round(c.backward, 1),
-            "recompute_cycles": round(c.forward if recompute[s] else 0.0, 1),
+            "recompute_cycles": round(again[s] if recompute[s] else 0.0, 1),
             "update_cycles": round(c.update, 1), "in_flight": int(k[s]),
             "recomputation": bool(recompute[s]),
             "stash_bytes": int(round(stash[s].sum())), "checkpoint_bytes": int(round(ckpt[s].sum())),
@@ -640,8 +860,12 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
         "ipus": ipus, "peak_ipu": worst["ipu"], "peak_tile": tile,
         "peak_tile_bytes": worst["peak_tile_bytes"], "fits": all(d["fits"] for d in ipus),
         "hlo_order_peak_tile_bytes": max(d["hlo_order_peak_tile_bytes"] for d in ipus),
-        "memory": {c: [int(round(x + (extra_bytes[n] if c == "activations" else 0.0)))
+        "memory": {c: [int(round(x + (extra_bytes[n] if c == "activations" else 0.0)
+                                 - (moved[worst["ipu"]][n] if c == "variables" else 0.0)))
                        for n, x in enumerate(prof.categories[c])] for c in CATEGORIES},
+        "offloaded_bytes": int(round(sum(offloaded.values()))),
+        "offload_notes": offload_notes,
+        "optimizer_state_shards": shards,
         "contributors": contributors, "by_layer": sorted(([n, b] for n, b in by_layer.items()),
                                                          key=lambda kv: -kv[1]),
         "always_live_bytes": sum(d["always_live_bytes"] for d in ipus),

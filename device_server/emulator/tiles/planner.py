@@ -24,6 +24,8 @@ is planned at its bound (what Poplar allocates).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from device_server.emulator.arch import Target
 from device_server.emulator.tiles.collectives import CollectivePlanning
 from device_server.emulator.tiles.control import ControlPlanning
@@ -230,7 +232,8 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
                 param_kinds: dict[int, str] | None = None,
                 mappings: dict[str, TileMapping] | None = None,
                 replication: Replication | None = None,
-                implied_all_reduce_bytes: int = 0, stages: int = 1) -> ModulePlan:
+                implied_all_reduce_bytes: int = 0, stages: int = 1,
+                memory_proportions: Mapping[str, float] | None = None) -> ModulePlan:
     """Plans ``module`` for ``target`` (see module docstring).
 
     Args:
@@ -250,12 +253,17 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
         stages: pipeline stages (1: not pipelined). Each instruction is planned on the tiles
             of its stage's IPU (its ``pipeline_stage`` attribute): layouts, code and exchange
             code per stage (``ModulePlan.stage_code_bytes``); ``pipeline.py`` sizes them.
+        memory_proportions: ``"dot"`` / ``"convolution"`` -> the share of a tile the plans
+            of those products may use for temporaries (PopLibs' availableMemoryProportion,
+            0 .. 1; ``matmul.plan_matmul``); an opcode not named: the preset's
+            ``available_memory_proportion``.
 
     Returns:
         The :class:`ModulePlan`.
     """
     planner = _Planner(module, target, live or live_instructions, param_kinds, mappings, replication,
                        stages)
+    planner.memory_proportions = {str(k): float(v) for k, v in (memory_proportions or {}).items()}
     entry, params = planner.plan_entry()
     if planner.rep is not None:
         planner.replica_sync(entry, "replica sync of the call", -1)

@@ -89,7 +89,7 @@ class ProductPlanning(PlannerState):
         unmapped = [isinstance(v, Buf) and v.mapping is None and v.ctx is None for v in ops[:2]]
         if any(unmapped):
             problem = dataclasses.replace(problem, a_local=unmapped[0], b_local=unmapped[1])
-        plan: MatmulPlan = plan_matmul(problem, t)
+        plan: MatmulPlan = plan_matmul(problem, t, self.memory_proportions.get(instr.opcode))
         for v, fresh in zip(ops[:2], unmapped, strict=True):
             if fresh:
                 v.mapping = self.alloc.spread(v.elements, plan.tiles)
@@ -120,6 +120,23 @@ class ProductPlanning(PlannerState):
         ctx.points[k].temps.append((m, plan.temp_bytes_per_tile))
         self.record(instr, m, steps, plan.temp_bytes_per_tile, plan.describe())
         if not plan.fits_budget:
-            self.notes.append(f"'{instr.name}' ({layer_name(instr) or instr.opcode}): no split keeps "
-                              f"its temporaries within available_memory_proportion of a tile")
+            self.notes.append(self._budget_note(instr, plan))
         return out
+
+    def _budget_note(self, instr: ir_pb2.Instruction, plan: MatmulPlan) -> str:
+        """What the plan of a product did when its temporaries did not fit the proportion
+        (Poplar warns "unable to meet memory target" and plans again)."""
+        sram = self.t.sram_bytes_per_tile
+        what = f"'{instr.name}' ({layer_name(instr) or instr.opcode})"
+        share = f"availableMemoryProportion {plan.memory_proportion:g}"
+        if plan.memory_proportion == 0.0:
+            return (f"{what}: {share}: planned for the least temporary memory "
+                    f"({plan.temp_bytes_per_tile:,.0f} bytes per tile, {plan.passes} serial passes)")
+        if plan.budget_bytes > 0:
+            return (f"{what}: no split keeps its temporaries within {share} of a tile "
+                    f"({plan.memory_proportion * sram:,.0f} bytes); planned as Poplar does with the "
+                    f"bound doubled, within {plan.budget_bytes / sram:.2g} of a tile "
+                    f"({plan.temp_bytes_per_tile:,.0f} bytes per tile)")
+        return (f"{what}: no split keeps its temporaries within {share} of a tile, nor within "
+                f"the whole tile; planned for the least temporary memory "
+                f"({plan.temp_bytes_per_tile:,.0f} bytes per tile)")

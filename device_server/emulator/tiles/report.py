@@ -25,12 +25,13 @@ import json
 import logging
 import math
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
+from device_server.emulator import calibration
 from device_server.emulator.arch import Target
 from device_server.emulator.tiles import cycles as cyc
 from device_server.emulator.tiles.irinfo import stage_of
@@ -145,6 +146,9 @@ class Estimate:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     loops: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The calibration classes with >= 10% of the cycles, with their held-out error (None:
+    # uncalibrated); device_server/emulator/calibration.py, docs/tile_model.md "Calibration".
+    expected_error: list[dict[str, Any]] = field(default_factory=list)
     sweep: list[dict[str, Any]] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)
     # Replication (docs/tile_model.md, "Replicas and collectives"): the figures above are
@@ -545,7 +549,26 @@ def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | N
     )
     if pipeline is not None:
         _apply_pipeline(est, pipe, pipeline.where, t)
+    est.expected_error = calibration.expected_error(class_shares(est, agg.values()))
+    line = calibration.describe(est.expected_error)
+    if line:
+        est.notes = [*est.notes, line]
     return est
+
+
+def class_shares(est: Estimate, ops: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Each calibration class's share of the estimate's cycles: compute by the class of the
+    op doing it, exchange and sync phases, collectives on the links, host transfers."""
+    cycles: dict[str, float] = {}
+    for a in ops:
+        cls = calibration.class_of_opcode(str(a.get("opcode", "")))
+        cycles[cls] = cycles.get(cls, 0.0) + float(a.get("compute", 0.0))
+        cycles["exchange"] = cycles.get("exchange", 0.0) + float(a.get("exchange", 0.0))
+        cycles["sync"] = cycles.get("sync", 0.0) + float(a.get("sync", 0.0))
+        cycles["collective"] = cycles.get("collective", 0.0) + float(a.get("link", 0.0))
+    cycles["host_link"] = float(est.host_cycles)
+    total = sum(cycles.values())
+    return {k: v / total for k, v in cycles.items() if v > 0} if total > 0 else {}
 
 
 def _apply_pipeline(est: Estimate, pipe: dict[str, Any], where: Placement, t: Target) -> None:
@@ -590,7 +613,7 @@ def _apply_pipeline(est: Estimate, pipe: dict[str, Any], where: Placement, t: Ta
     est.pipeline_cycles_per_update = int(math.ceil(pipe["per_update_cycles"]))
     est.pipeline_timeline = pipe["timeline"]
     est.pipeline_transfers = pipe["transfers"]
-    est.notes = list(est.notes) + [f"pipelined: {where.describe()}"] + (
+    est.notes = list(est.notes) + [f"pipelined: {where.describe()}"] + pipe["offload_notes"] + (
         [f"the pipeline timeline shows its first {len(est.pipeline_timeline)} slots"]
         if pipe["truncated"] else [])
 
@@ -602,9 +625,12 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                     implied_all_reduce_bytes: int = 0, pipeline_stages: int = 1,
                     stage_ipus: Iterable[int] = (), ipus_per_replica: int = 0,
                     pipeline_schedule: str = "grouped", micro_batches: int = 1,
-                    recomputation: bool = False) -> Estimate:
+                    recomputation: bool = False, optimizer_state_offload: str | bool | None = "auto",
+                    optimizer_state_sharding: bool = False,
+                    memory_proportions: Mapping[str, float] | None = None) -> Estimate:
     """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
-    arguments).
+    arguments; ``memory_proportions``: PopLibs' availableMemoryProportion of ``"dot"`` and
+    ``"convolution"`` plans).
 
     ``replicas`` copies of the program run at once on ``ipu_ids`` (default: the first
     ``replicas``) of ``system`` (a ``protocol.hardware.System``; None: ``plain_system`` IPUs
@@ -614,7 +640,9 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
     names its stage): stage s runs on IPU ``stage_ipus[s]`` (default s) of each replica's
     ``ipus_per_replica`` IPUs (0: the IPUs the stages name, rounded up to a power of two);
     replica r on ``ipu_ids[r * P:(r + 1) * P]``; ``pipeline_schedule`` "grouped",
-    "interleaved" or "sequential", ``micro_batches`` per weight update, ``recomputation``;
+    "interleaved" or "sequential", ``micro_batches`` per weight update, ``recomputation``,
+    ``optimizer_state_offload`` ("auto", "on", "off") and ``optimizer_state_sharding``
+    (Graphcore's offload_weight_update_variables and replicated_optimizer_state_sharding);
     see ``pipeline.py``.
 
     A failure of the model itself (a bug, an IR shape it does not know) must not stop the
@@ -630,7 +658,8 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
     run: PipelineRun | None = None
     if pipeline_stages != 1:
         where = placement(pipeline_stages, stage_ipus, ipus_per_replica, replicas, system,
-                          ipu_ids, target, pipeline_schedule, micro_batches, recomputation)
+                          ipu_ids, target, pipeline_schedule, micro_batches, recomputation,
+                          optimizer_state_offload, optimizer_state_sharding)
         _check_stages(module, pipeline_stages)
         first = tuple(where.ipu_id(r, where.stage_ipus[0]) for r in range(where.replicas))
         rep = replication(where.replicas, where.system, first, target)
@@ -641,8 +670,13 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
         plan = plan_module(module, target, live, param_kinds=param_kinds, mappings=mappings,
                            replication=rep if rep.system is not None else None,
                            implied_all_reduce_bytes=0 if run else implied_all_reduce_bytes,
-                           stages=pipeline_stages if run else 1)
-        return estimate_plan(plan, module.name, run)
+                           stages=pipeline_stages if run else 1,
+                           memory_proportions=memory_proportions)
+        est = estimate_plan(plan, module.name, run)
+        if memory_proportions:  # PopLibs' availableMemoryProportion the products were planned with
+            est.context["available_memory_proportion"] = {
+                str(k): float(v) for k, v in sorted(memory_proportions.items())}
+        return est
     except Exception as e:  # noqa: BLE001 - reported, never fatal
         _log.warning("tile model failed on module %r: %s: %s", module.name, type(e).__name__, e,
                      exc_info=True)

@@ -83,6 +83,9 @@ class PlannerState:
         self.codelets = self.stage_codelets[0]
         self.loops: list[dict[str, Any]] = []
         self.notes: list[str] = []
+        # opcode ("dot", "convolution") -> PopLibs' availableMemoryProportion for its plans
+        # (plan_module's memory_proportions; an opcode not named: the preset's).
+        self.memory_proportions: dict[str, float] = {}
         self.scalar_cost_cache: dict[int, float] = {}
         self.aliased_params = {int(a.parameter_number) for a in module.aliases}
         self._shapes = {i.id: i.shape for c in module.computations for i in c.instructions}

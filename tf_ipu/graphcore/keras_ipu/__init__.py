@@ -23,13 +23,18 @@ from tf_ipu.graphcore.keras_ipu.optimizers import (
 )
 from tf_ipu.pipelining import (
     FunctionalLayerPipelineStageAssignment,
+    FunctionalNestedModelPipelineStageAssignment,
     ModelLayerPipelineStageAssignment,
+    NestedModelPipelineStageAssignment,
     PipelineStage,
     SequentialLayerPipelineStageAssignment,
+    SequentialNestedModelPipelineStageAssignment,
 )
 from tf_ipu.replication import ReplicatedMetricReductionMethod
 
 __all__ = ["ALSOptimizer", "ALSOptimizerGradientAccumulationWrapper",
-           "FunctionalLayerPipelineStageAssignment", "ModelLayerPipelineStageAssignment",
+           "FunctionalLayerPipelineStageAssignment", "FunctionalNestedModelPipelineStageAssignment",
+           "ModelLayerPipelineStageAssignment", "NestedModelPipelineStageAssignment",
            "PipelineStage", "ReplicatedMetricReductionMethod",
-           "SequentialLayerPipelineStageAssignment", "layers", "optimizers"]
+           "SequentialLayerPipelineStageAssignment",
+           "SequentialNestedModelPipelineStageAssignment", "layers", "optimizers"]

@@ -1,8 +1,9 @@
-"""``tensorflow.python.ipu.ops.pipelining_ops``: the pipeline's schedule and recomputation
-names, which ``model.set_pipelining_options`` takes (tf_ipu.pipelining)."""
+"""``tensorflow.python.ipu.ops.pipelining_ops`` (also ``ipu.pipelining_ops``): the pipeline's
+schedule and recomputation names, which ``model.set_pipelining_options`` takes, and
+``recomputation_checkpoint`` (tf_ipu.pipelining)."""
 
 from __future__ import annotations
 
-from tf_ipu.pipelining import PipelineSchedule, RecomputationMode
+from tf_ipu.pipelining import PipelineSchedule, RecomputationMode, recomputation_checkpoint
 
-__all__ = ["PipelineSchedule", "RecomputationMode"]
+__all__ = ["PipelineSchedule", "RecomputationMode", "recomputation_checkpoint"]

@@ -1,9 +1,9 @@
-"""``ipu_tensorflow_addons.keras.layers.RecomputationCheckpoint``: the identity.
+"""``ipu_tensorflow_addons.keras.layers.RecomputationCheckpoint``: the identity, marked.
 
-On an IPU the layer marks its inputs as values to keep, not recompute, when a pipelined model
-recomputes activations in the ``RecomputeAndBackpropagateInterleaved`` mode; its outputs are
-its inputs. This project has no pipelining and no recomputation, so every activation is kept
-already and the identity is the whole of what the layer does here.
+Its outputs are its inputs, checkpointed with ``ipu.pipelining_ops.recomputation_checkpoint``
+(tf_ipu.pipelining): in a pipelined model that recomputes activations in the
+``RecomputeAndBackpropagateInterleaved`` mode they are stashed, and the backward recomputes
+from them (the tile model charges it, docs/tile_model.md); anywhere else only the identity.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class RecomputationCheckpoint(keras.layers.Layer):
 
     Example:
         >>> from ipu_tensorflow_addons.keras.layers import RecomputationCheckpoint
-        >>> x = RecomputationCheckpoint()(np.ones((2, 3), "float32"))
+        >>> x = RecomputationCheckpoint()(np.ones((2, 3), "float32"))  # doctest: +SKIP
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -29,8 +29,10 @@ class RecomputationCheckpoint(keras.layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs: Any, **kwargs: Any) -> Any:
-        """The inputs, unchanged."""
-        return inputs
+        """The inputs, unchanged (and marked as recomputation checkpoints)."""
+        from tf_ipu.pipelining import recomputation_checkpoint
+
+        return recomputation_checkpoint(inputs)
 
     def compute_output_shape(self, input_shape: Any) -> Any:
         return input_shape

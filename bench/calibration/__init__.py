@@ -1,0 +1,1 @@
+"""Calibration data for the tile model: published measurements and their sources (issue 15)."""
