@@ -2,6 +2,8 @@
 
 - ``device_server``: the address of one device server (a child process, 8 IPUs, ipu2) shared
   by the whole test session; set ``TF_IPU_TEST_SERVER=host:port`` to use a running one.
+- ``onnx_server``: that server as ``tf_ipu.onnx``'s default for one test module (its clients
+  closed after it); ONNX test modules use it with ``pytestmark``.
 """
 
 from __future__ import annotations
@@ -46,3 +48,15 @@ def ipu_system(device_server):
     cfg.ipu_model.version = "ipu2"
     cfg.configure_ipu_system()
     return cfg
+
+
+@pytest.fixture(scope="module")
+def onnx_server(device_server):
+    """``device_server`` as tf_ipu.onnx's default server for the module."""
+    import tf_ipu.onnx as tox
+    from tf_ipu.onnx import device as onnx_device
+
+    tox.set_default_server(device_server)
+    yield device_server
+    onnx_device.close_all()
+    tox.set_default_server(None)

@@ -51,22 +51,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from keras_util import attached_ipus  # noqa: E402
 from test_graphcore_examples import Run, _result, _run_one, shuffled  # noqa: E402
 from test_graphcore_examples import test_example_matches_cpu as _matches  # noqa: E402
 
 # -- the examples ---------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def _configured(cfg):
     """The example's ``cfg.configure_ipu_system()``; one IPU, no recomputation after."""
-    cfg.configure_ipu_system()
-    try:
-        yield
-    finally:
-        cfg.auto_select_ipus = 1
-        cfg.allow_recompute = False
-        cfg.configure_ipu_system()
+    return attached_ipus(cfg, cfg.auto_select_ipus, cfg.allow_recompute)
 
 
 def _images(n: int, side: int = 6, seed: int = 0) -> np.ndarray:

@@ -19,17 +19,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import tf_ipu.onnx as tox
-from tf_ipu.onnx import device as onnx_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _onnx_server(device_server):
-    tox.set_default_server(device_server)
-    yield
-    onnx_device.close_all()
-    tox.set_default_server(None)
+pytestmark = pytest.mark.usefixtures("onnx_server")  # conftest: the shared server
 
 
 def _reference(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:

@@ -20,7 +20,6 @@ import pytest
 from onnx.backend.test.runner import BackendIsNotSupposedToImplementIt
 
 import tf_ipu.onnx as tox
-from tf_ipu.onnx import device as onnx_device
 from tf_ipu.onnx.backend import TfIpuBackend
 from tf_ipu.onnx.dtypes import NO_IPU_TYPES
 
@@ -42,12 +41,7 @@ REAL = ["test_bvlc_alexnet", "test_densenet121", "test_inception_v1", "test_ince
         "test_resnet50", "test_shufflenet", "test_squeezenet", "test_vgg19", "test_zfnet512"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _onnx_server(device_server):
-    tox.set_default_server(device_server)
-    yield
-    onnx_device.close_all()  # before the shared server stops
-    tox.set_default_server(None)
+pytestmark = pytest.mark.usefixtures("onnx_server")  # conftest: the shared server
 
 
 class _ListedBackend(TfIpuBackend):

@@ -25,18 +25,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 import tf_ipu.onnx as tox
 from bench import onnx_models
-from tf_ipu.onnx import device as onnx_device
 from tf_ipu.onnx import gpu_roofline as gr
 
 RTOL_OF_MAX = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _onnx_server(device_server):
-    tox.set_default_server(device_server)
-    yield
-    onnx_device.close_all()
-    tox.set_default_server(None)
+pytestmark = pytest.mark.usefixtures("onnx_server")  # conftest: the shared server
 
 
 def _ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
