@@ -40,6 +40,7 @@ BENCHES = {
     "replication": lambda quick: __import__("bench.bench_replication", fromlist=["main"]).main(quick),
     "pipelining": lambda quick: __import__("bench.bench_pipelining", fromlist=["main"]).main(quick),
     "calibration": lambda quick: __import__("bench.bench_calibration", fromlist=["main"]).main(quick),
+    "mlperf": lambda quick: __import__("bench.bench_mlperf", fromlist=["main"]).main(quick),
     "onnx": lambda quick: __import__("bench.bench_onnx", fromlist=["main"]).main(quick),
 }
 

@@ -80,3 +80,64 @@ def test_malformed_rows_rejected(tmp_path):
     p.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n")
     with pytest.raises(table.TableError):
         table.load_measurements(p)
+
+
+# ---- MLPerf training throughput rows (bench/calibration/mlperf_logs.py) and the
+# configurations bench/bench_mlperf.py estimates them with
+
+def test_mlperf_throughput_rows_match_their_runs(measurements):
+    by_id = {m.id: m for m in measurements}
+    rows = [m for m in measurements if m.source.startswith("mlperf-train-") and m.metric == "items_per_s"]
+    assert len(rows) >= 200
+    for m in rows:
+        run = by_id[m.id.removesuffix("-throughput")]  # the run's time-to-train row
+        assert run.metric == "seconds" and run.params["system"] == m.params["system"]
+        assert m.value > 0 and bool(m.excluded) == bool(run.excluded)
+        p = m.params
+        if p["benchmark"] == "resnet":  # one IPU per replica: the log's batch splits exactly
+            assert p["replicas"] == p["n_devices"]
+            assert p["micro_batch_per_replica"] * p["replicas"] * p["gradient_accumulation_steps"] \
+                == p["global_batch_size"]
+            # training alone is faster than the whole run: epochs x images / time-to-train
+            assert m.value > run.params["epochs_at_stop"] * 1_281_167 / run.value
+        elif p["benchmark"] == "bert":
+            assert m.value > run.params["train_samples_at_stop"] / run.value
+
+
+def test_mlperf_log_throughputs_from_events():
+    from bench.calibration import mlperf_logs as ml
+
+    def ev(key, t, **meta):
+        return {"key": key, "time_ms": t, "metadata": meta}
+    # ResNet: epochs of 10 s, 10 s and 20 s -> median 10 s per epoch
+    log = [ev("epoch_start", 0, epoch_num=1), ev("epoch_stop", 10_000, epoch_num=1),
+           ev("epoch_start", 10_000, epoch_num=2), ev("epoch_stop", 20_000, epoch_num=2),
+           ev("epoch_start", 20_000, epoch_num=3), ev("epoch_stop", 40_000, epoch_num=3)]
+    rate, n = ml.resnet_throughput(log)
+    assert n == 3 and rate == pytest.approx(1_281_167 / 10)
+    # BERT: blocks of 1,000 samples in 2 s, then 2,000 more in 2 s (samples from the evals)
+    log = [ev("block_start", 0), ev("block_stop", 2_000), {"key": "eval_accuracy", "time_ms": 2_100,
+           "metadata": {"epoch_num": 1_000}}, ev("block_start", 3_000), ev("block_stop", 5_000),
+           {"key": "eval_accuracy", "time_ms": 5_100, "metadata": {"epoch_num": 3_000}}]
+    rate, n = ml.bert_throughput(log)
+    assert n == 2 and rate == pytest.approx((500 + 1_000) / 2)
+
+
+def test_mlperf_bert_stage_placements():
+    from bench.bench_mlperf import _bert_stages
+
+    names = ["token_embedding", "position_embedding", "embedding_norm"]
+    for i in range(24):
+        names += [f"layer_{i}_attention", f"layer_{i}_attention_norm", f"layer_{i}_intermediate",
+                  f"layer_{i}_output", f"layer_{i}_output_norm"]
+    names += ["get_item", "pooler", "classifier"]
+    four = _bert_stages(names, "4-IPU [3, 7, 7, 7]")
+    assert four[:3] == [0, 0, 0] and four[-3:] == [3, 3, 3] and four == sorted(four)
+    per_stage = Counter(s for n, s in zip(names, four, strict=True) if n.endswith("_attention"))
+    assert [per_stage[s] for s in range(4)] == [3, 7, 7, 7]
+    eight = _bert_stages(names, "8-IPU att_ffn_placement")
+    att = Counter(s for n, s in zip(names, eight, strict=True) if n.endswith("_attention"))
+    ffn = Counter(s for n, s in zip(names, eight, strict=True) if n.endswith("_intermediate"))
+    assert eight[:3] == [0, 0, 0] and eight == sorted(eight) and max(eight) == 7
+    assert [att[s] for s in range(1, 8)] == [3, 4, 3, 3, 4, 3, 4]
+    assert [ffn[s] for s in range(1, 8)] == [3, 3, 3, 4, 3, 4, 4]  # the 24th on the last stage

@@ -49,7 +49,7 @@ class Target:
     amp_fp16_input_channels: int = 16    # AMP consumes input channels (contraction) in groups of 16 (fp16)
     amp_fp32_input_channels: int = 8     # ... and of 8 (fp32)
     amp_fp16_output_channels: int = 16   # AMP produces output channels in groups of 16 (fp16; GC2: 8)
-    amp_fp32_output_channels: int = 8    # ... and of 8 (fp32; GC2: 4)
+    amp_fp32_output_channels: int = 16   # ... and of 16 (fp32; GC2: 8)
     # FP16 partials (numerics.py): products one AMP pass sums before it adds them to an FP16
     # accumulator. Assumption: the AMP's FP16 input-channel group (amp_fp16_input_channels);
     # Graphcore documents the option (partialsType "half"), not the hardware's summation order.
@@ -85,10 +85,11 @@ class Target:
         return dataclasses.asdict(self)
 
 
-# Shared by every preset (Poplar's planner constants, poplibs source via ipu_arch.md).
-_SYNC_CYCLES = 90                # global sync about 90 cycles
-_EXCHANGE_OVERHEAD_CYCLES = 100  # fixed exchange overhead about 100 cycles
-_VERTEX_OVERHEAD_CYCLES = 16     # ~16 cycles per worker vertex
+# Shared by every preset: vendor-model constants of PopLibs' planners and estimators (PROVENANCE
+# says which; Poplar's own figures, e.g. Target::getMaxIPUSyncDelay, are not public).
+_SYNC_CYCLES = 90                # the sync cost of PopLibs' CTC-loss planner
+_EXCHANGE_OVERHEAD_CYCLES = 100  # the fixed exchange overhead of the same planner
+_VERTEX_OVERHEAD_CYCLES = 16     # worker prologue of PopLibs' ScaledAdd / HMAC estimators
 _WORKERS = 6                     # 6 hardware worker threads per tile (Louw s.II; Jia et al.)
 
 GC2 = Target(
@@ -113,8 +114,8 @@ GC2 = Target(
     host_link_bytes_per_s=32e9,                # PCIe Gen4 x16: 64 GB/s counting both ways (Louw s.II-III)
     ipu_link_bytes_per_s=192e9,                # C2 card: 3 links x 64 GB/s (Jia et al.)
     power_watts=150.0,                         # per IPU (iPUG)
-    amp_fp16_output_channels=8,                # assumption: half the GC200's AMP width
-    amp_fp32_output_channels=4,                # assumption: half the GC200's AMP width
+    amp_fp16_output_channels=8,                # PopLibs' GC2 AMP codelets: 8 conv units
+    amp_fp32_output_channels=8,                # PopLibs' GC2 AMP codelets: 8 conv units
 )
 
 GC200 = Target(
@@ -158,24 +159,24 @@ _P, _F, _A = "published", "fitted", "assumed"
 _FIT = ("bench/calibration/fit.py: fitted to {rows} (calibration.py)")
 _COMMON: dict[str, tuple[str, str]] = {
     "worker_threads_per_tile": (_P, "6 hardware worker threads (Louw & McIntosh-Smith 2021 s.II; Jia et al. 2019)"),
-    "sync_cycles": (_P, "Poplar's planner constant, ~90 cycles per global sync (poplibs, via ipu_arch.md)"),
-    "exchange_overhead_cycles": (_P, "Poplar's planner constant, ~100 cycles per exchange (poplibs, via ipu_arch.md)"),
-    "vertex_overhead_cycles": (_P, "Poplar's planner constant, ~16 cycles per worker vertex (poplibs, via ipu_arch.md)"),
+    "sync_cycles": (_A, "90 cycles: the sync cost PopLibs' CTC-loss planner uses (graphcore/poplibs@7eac0f26 lib/popnn/CTCLossPlan.cpp, estimateCycles), a vendor-model constant of that planner; the general planners ask Poplar (Target::getMaxIPUSyncDelay), whose value is not public"),
+    "exchange_overhead_cycles": (_A, "100 cycles: the fixed exchange overhead of PopLibs' CTC-loss planner (graphcore/poplibs@7eac0f26 lib/popnn/CTCLossPlan.cpp, estimateCycles); the convolution planner's exchange model has no fixed term"),
+    "vertex_overhead_cycles": (_A, "16: the worker prologue of PopLibs' ScaledAdd and HMAC convolution estimators (graphcore/poplibs@7eac0f26 lib/popops/PerformanceEstimation.cpp, lib/poplin/PerformanceEstimation.hpp); other vertices' estimators use 5-58 worker cycles"),
     "available_memory_proportion": (_P, "PopLibs' default availableMemoryProportion, 0.6 (Poplar docs)"),
-    "vector_fp16_flops_per_cycle_per_tile": (_A, "twice the FP32 vector rate (no public figure)"),
-    "amp_fp16_input_channels": (_A, "AMP input-channel group (no public figure)"),
-    "amp_fp32_input_channels": (_A, "AMP input-channel group (no public figure)"),
-    "amp_fp16_output_channels": (_A, "AMP output-channel group (no public figure)"),
-    "amp_fp32_output_channels": (_A, "AMP output-channel group (no public figure)"),
-    "amp_fp16_partials_chunk": (_A, "products one AMP pass sums before an FP16 accumulator (no public figure)"),
-    "vector_bytes": (_A, "one 64-bit vector per worker instruction"),
+    "vector_fp16_flops_per_cycle_per_tile": (_A, "twice the FP32 vector rate, as PopLibs' estimators cost a 4-half vector like a 2-float one (graphcore/poplibs@7eac0f26 lib/popops/popopsCycleEstimators.hpp; a vendor model)"),
+    "amp_fp16_input_channels": (_P, "16 = 4 halves per 64-bit load x a 4-deep conv-unit chain, every chip (PopLibs' AMP codelets and planner, graphcore/poplibs@7eac0f26 lib/poplin/ConvVertexType.cpp, ConvModel.cpp getConvUnitWeightHeight)"),
+    "amp_fp32_input_channels": (_P, "8 = 2 floats per 64-bit load x 4, every chip (PopLibs' float AMP codelets, graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_float_float*.S)"),
+    "amp_fp16_output_channels": (_A, "16 conv units: PopLibs' GC200/Bow AMP codelets with FP16 partials (graphcore/poplibs@7eac0f26 conv_partial_1x1_half_float_8_and_half_half_h16.S); with FP32 partials PopLibs uses 8, which the model does not distinguish yet"),
+    "amp_fp32_output_channels": (_P, "16 conv units on GC200/Bow (PopLibs' float dual-AMP codelets, graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_float_float_16.S)"),
+    "amp_fp16_partials_chunk": (_A, "16 products, one AMP pass over an input-channel group (PopLibs' half-in half-out AMP codelets); how the AMP rounds inside a pass is not public"),
+    "vector_bytes": (_P, "64-bit arithmetic vectors (PopLibs' estimators: 4 halves or 2 floats per vector, graphcore/poplibs@7eac0f26 lib/popops/popopsCycleEstimators.hpp)"),
     "flops_per_transcendental": (_A, "vector instructions per exp/log/sqrt/divide element"),
-    "min_bytes_per_tile": (_A, "grain of a linear mapping"),
-    "vertex_state_bytes": (_A, "vertex state per vertex (no public figure)"),
+    "min_bytes_per_tile": (_P, "128 B: PopLibs' linear tile mapping keeps at least 128 bytes on each tile (graphcore/poplibs@7eac0f26 lib/poputil/TileMapping.cpp, documented in include/poputil/TileMapping.hpp)"),
+    "vertex_state_bytes": (_A, "24 B: PopLibs' vertex states are 8-28 B (field layouts of its codelets, e.g. graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_supervisor.S 28 B, lib/popops/codelets/asm/binaryOps1D.S 16 B); Poplar's own per-vertex bookkeeping is not public"),
     "codelet_bytes": (_A, "code of one vertex type on one tile (no public figure)"),
     "compute_set_control_bytes": (_A, "control code per compute set per tile (no public figure)"),
     "exchange_code_bytes": (_A, "exchange code per exchange per receiving tile (no public figure)"),
-    "exchange_code_bytes_per_source": (_A, "exchange code per source tile (no public figure)"),
+    "exchange_code_bytes_per_source": (_A, "8 B per source tile; PopLibs' slice planner counts 4 B per exchange instruction (graphcore/poplibs@7eac0f26 lib/popops/DynamicSlice.cpp constructModel)"),
     "host_link_latency_s": (_A, "fixed cost of one host transfer"),
     "tiles_per_ipu": (_P, "all of the chip's tiles (a setting: IPUConfig.ipu_model.tiles_per_ipu)"),
 }
@@ -202,9 +203,9 @@ _MK2_OWN: dict[str, tuple[str, str]] = {
     "sram_bytes_per_tile": (_P, "624 KiB (graphcore/popliner --mem-per-tile default)"),
     "clock_hz": (_P, "derived: 250 TFLOP/s (Graphcore) / (1472 x 128 FLOP/cycle)"),
     "amp_fp16_flops_per_cycle_per_tile": (_P, "250 TFLOP/s FP16 (Graphcore) at the clock above"),
-    "amp_fp32_flops_per_cycle_per_tile": (_A, "62.5 TFLOP/s, commonly quoted, unconfirmed"),
-    "vector_fp32_flops_per_cycle_per_tile": (_A, "the GC2's per cycle (same tile design)"),
-    "memory_bytes_per_cycle_per_tile": (_A, "the GC2's per cycle (same tile design; the 47.5 TB/s marketing figure would be ~24)"),
+    "amp_fp32_flops_per_cycle_per_tile": (_P, "derived: 7.989 PFLOP/s FP32 over 128 GC200 (IPU-POD128 datasheet s.2.1) / (1472 x 1.33 GHz) = 32; Bow: 22.31 PFLOP/s over 256 (Bow Pod256 datasheet s.2.1) / (1472 x 1.85 GHz) = 32"),
+    "vector_fp32_flops_per_cycle_per_tile": (_A, "the GC2's per cycle (same tile design; PopLibs' vector estimators have no per-chip branch)"),
+    "memory_bytes_per_cycle_per_tile": (_P, "16 B/cycle read (two 64-bit loads) + 8 B write per instruction (PopLibs' ld2xst64pace loops, graphcore/poplibs@7eac0f26 lib/popops/codelets/asm/ScaledAddSupervisor_fp.S, no per-chip branch): 24 B x 1472 x 1.33 GHz = 47 TB/s, Graphcore's 47.5 TB/s"),
     "memory_latency_cycles": (_A, "the GC2's 6 cycles (same tile design)"),
     "exchange_bytes_per_cycle_per_tile": (_P, "derived: 8 TB/s all-to-all (Graphcore) / (1472 x 1.33 GHz), rounded"),
     "host_link_bytes_per_s": (_A, "5.5 GB/s through the gateway, as graphcore/examples assume"),
@@ -218,8 +219,8 @@ _MK2_OWN: dict[str, tuple[str, str]] = {
 PROVENANCE: dict[str, dict[str, tuple[str, str]]] = {
     "ipu1": {**_COMMON, **_GC2_OWN,
              "matmul_pass_overhead_cycles": (_A, "the figure fitted on Bow products (same tile design; GC2's only product points are ceilings of large products)"),
-             "amp_fp16_output_channels": (_A, "half the GC200's AMP width (no public figure)"),
-             "amp_fp32_output_channels": (_A, "half the GC200's AMP width (no public figure)")},
+             "amp_fp16_output_channels": (_P, "8 conv units with FP16 or FP32 partials (PopLibs' GC2 AMP codelets, graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_half_half.S)"),
+             "amp_fp32_output_channels": (_P, "8 conv units (PopLibs' GC2 float AMP codelets, graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_float_float.S): 8 x 8 MACs per 8 cycles = 16 FLOP/cycle, the 31.1 TFLOP/s peak")},
     "ipu2": {**_COMMON, **_MK2_OWN},
     "bow": {**_COMMON, **_MK2_OWN, "clock_hz": (_P, "1.85 GHz (Graphcore Bow launch)"),
             **{f: _GC2_OWN[f] for f in ("amp_fp16_efficiency", "amp_fp32_efficiency",

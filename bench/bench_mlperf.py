@@ -1,0 +1,241 @@
+"""Graphcore's MLPerf Training runs on a 16-IPU pod, estimated: training throughput and time
+to train beside the measured runs (bench/calibration: mlperf-train-v1.0, v1.1, v2.0).
+
+    measured  (result logs: median training throughput of each run, its time to train)
+        |                                         estimated (tf_ipu.estimate, the
+        |   per configuration: ratio estimated /   submission's own configuration)
+        +-- measured, typical exp(mean |ln r|) and worst over the configurations
+
+The runs are end-to-end reference points: never fitted, and not the declared validation set
+(bench/calibration/README.md). Estimated are the closed-division ResNet-50 and BERT runs on
+the systems the project models with one host: IPU-POD16 (GC200) and Bow Pod16 (larger pods
+span hosts and gateways). Each is estimated with the configuration its submission states
+(configs.yml / configs/*.json in mlcommons/training_results_v*; paths below):
+
+    ResNet-50 v1.5: 16 replicas of one IPU, FP16 with FP16 partials, 8-bit images decoded on
+        the IPU (eight_bit_io), micro-batch and accumulation from the log (global batch /
+        (16 x accumulation)); SGD with momentum for the update (v1.1 and v2.0 used LARS,
+        whose per-layer norms add little to the update).
+    BERT-Large phase 2, sequence 512, packed rows (about 2 sequences each), LAMB, FP16:
+        v1.0 / v1.1 IPU-POD16: 4 replicas x a 4-IPU pipeline, layers [3, 7, 7, 7] (the
+        embedding on IPU 0), 2 rows x 192 micro-batches, optimizer state offloaded and
+        sharded over the replicas, recomputation;
+        v2.0 Bow Pod16: 2 replicas x an 8-IPU pipeline (the embedding alone on IPU 0, the
+        attention and feed-forward halves placed as att_ffn_placement says), 3 rows x 256
+        micro-batches, optimizer state sharded over the replicas (the submission keeps it on
+        chip; here it is offloaded only where an IPU would not fit otherwise); recomputation.
+    Not modelled: the masked-LM head over 76 tokens (a 2-class head instead: under 1% of
+    the FLOPs), packing's attention mask, FP8 activation checkpoints (v2.0), the host's
+    data loading; time to train counts training only (the logs' evaluations are excluded).
+
+    .venv/bin/python bench/run.py --only mlperf
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+IMAGENET_TRAIN = 1_281_167
+SEQUENCES_PER_ROW = 2  # avg_seq_per_pack of the closed BERT configurations
+
+_RESNET_CFG = "Graphcore/benchmarks/resnet/implementations/tensorflow/configs.yml"
+#: BERT configurations: (round, chip, replicas, pipeline stages, rows per micro-batch,
+#: micro-batches per update, offload (None: where an IPU needs it), its configuration file)
+_BERT = (
+    ("v1.0", "ipu2", 4, "4-IPU [3, 7, 7, 7]", 2, 192, True,
+     "Graphcore/benchmarks/bert/implementations/popart/configs/mk2/pod16-closed.json"),
+    ("v1.1", "ipu2", 4, "4-IPU [3, 7, 7, 7]", 2, 192, True,
+     "Graphcore/benchmarks/bert/implementations/popart/configs/mk2/pod16-closed.json"),
+    ("v2.0", "bow", 2, "8-IPU att_ffn_placement", 3, 256, None,
+     "Graphcore/benchmarks/bert/implementations/popart/configs/pod16-closed.json"),
+)
+_FRAMEWORK = {"resnet": "TensorFlow", "bert": "PopART"}  # the configurations stated here
+_POD16 = {"ipu2": ("pod16", ("IPU-POD16",)), "bow": ("bow-pod16", ("Bow Pod16", "Bow-Pod16"))}
+
+
+def _measured(benchmark: str, version: str, systems: tuple[str, ...]) -> dict[str, Any]:
+    from bench.calibration.table import load_measurements
+
+    rows = [m for m in load_measurements() if m.source == f"mlperf-train-{version}"
+            and m.usable and m.op_class == "e2e_training" and m.params.get("benchmark") == benchmark
+            and m.params.get("division") == "closed" and m.params.get("system") in systems
+            and str(m.params.get("framework", "")).startswith(_FRAMEWORK[benchmark])]
+    tput = [m for m in rows if m.metric == "items_per_s"]
+    ttt = [m for m in rows if m.metric == "seconds"]
+    if not tput or not ttt:
+        raise RuntimeError(f"no measured {benchmark} {version} run on {systems} in the table")
+    size = "epochs_at_stop" if benchmark == "resnet" else "train_samples_at_stop"
+    return {"throughput": statistics.median(m.value for m in tput),
+            "time_to_train_s": statistics.median(m.value for m in ttt),
+            "trained": statistics.median(m.params[size] for m in ttt),
+            "accumulation": statistics.mode(m.params["gradient_accumulation_steps"] for m in tput),
+            "micro_batch": statistics.mode(m.params.get("micro_batch_per_replica") for m in tput),
+            "runs": len(ttt), "ids": sorted(m.id for m in ttt)[:1]}
+
+
+def _resnet50() -> Any:
+    import keras
+
+    images = keras.Input((224, 224, 3), dtype="uint8", name="images")  # eight_bit_io
+    x = keras.layers.Rescaling(1 / 255.0)(images)
+    net = keras.applications.ResNet50(weights=None, input_tensor=x)
+    model = keras.Model(images, net.output, name="resnet50_mlperf")
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _bert_stages(names: list[str], placement: str) -> list[int]:
+    """A stage for each layer call of tf_ipu.models.bert's classifier, as the submission places
+    them: ``4-IPU [3, 7, 7, 7]`` (whole encoder layers) or ``8-IPU att_ffn_placement`` (v2.0:
+    the embedding alone on stage 0, then per stage (attention blocks, feed-forward blocks):
+    (3, 3), (4, 3), (3, 3), (3, 4), (4, 3), (3, 4), (4, 3); the submission's last feed-forward
+    block, on IPU 0 with the embedding there, is on the last stage here)."""
+    if placement.startswith("4-IPU"):
+        bounds = [3, 10, 17, 24]
+        att = ffn = [next(s for s, b in enumerate(bounds) if i < b) for i in range(24)]
+    else:
+        att, ffn = [], []
+        for stage, (a, f) in enumerate(((3, 3), (4, 3), (3, 3), (3, 4), (4, 3), (3, 4), (4, 3)), 1):
+            att += [stage] * a
+            ffn += [stage] * f
+        ffn.append(7)  # the 24th feed-forward block
+    stages, last = [], 0
+    for name in names:
+        m = re.match(r"layer_(\d+)_(attention|intermediate|output)", name)
+        if m:
+            last = (att if m.group(2) == "attention" else ffn)[int(m.group(1))]
+        elif not name.startswith(("token_", "position_", "embedding")):
+            last = max(last, att[-1], ffn[-1])  # pooler and head: the last stage
+        stages.append(last)
+    return stages
+
+
+def _bert(placement: str, micro_batches: int, offload: bool | None) -> Any:
+    import keras
+
+    import tf_ipu
+    from tf_ipu.models.bert import bert_classifier, bert_encoder
+
+    with tf_ipu.IPUStrategy().scope():
+        model = bert_classifier(bert_encoder(layers=24, hidden=1024, heads=16, seq_len=512,
+                                             vocab=30400, dropout=0.0), classes=2)
+        model.compile(optimizer=keras.optimizers.Lamb(2e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        names = [a.layer.name for a in model.get_pipeline_stage_assignment()]
+        stages = _bert_stages(names, placement)
+        model.set_pipeline_stage_assignment(stages)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=micro_batches,
+                                     device_mapping=list(range(max(stages) + 1)),
+                                     offload_weight_update_variables=offload,
+                                     replicated_optimizer_state_sharding=True)
+    return model
+
+
+def _ratio_row(what: str, version: str, chip: str, measured: dict[str, Any], tput: float,
+               est: Any, ttt: float, config: str, seconds: float) -> dict[str, Any]:
+    r_tput = tput / measured["throughput"]
+    r_ttt = ttt / measured["time_to_train_s"]
+    print(f"  {what} {version} {chip}: {config}")
+    print(f"    throughput measured {measured['throughput']:,.0f}/s (median of {measured['runs']} "
+          f"runs), estimated {tput:,.0f}/s: ratio {r_tput:.3f}; "
+          f"{'fits' if est.fits else 'DOES NOT FIT (peak tile ' + format(est.peak_tile_bytes, ',') + ' B)'}")
+    print(f"    time to train measured {measured['time_to_train_s']:,.0f} s, estimated (training "
+          f"only) {ttt:,.0f} s: ratio {r_ttt:.3f}   [{seconds:.0f} s to estimate]")
+    print(f"    {est.expected_error_summary()}")
+    return {"benchmark": what, "round": version, "chip": chip, "configuration": config,
+            "measured_throughput": measured["throughput"], "estimated_throughput": tput,
+            "throughput_ratio": r_tput, "measured_time_to_train_s": measured["time_to_train_s"],
+            "estimated_time_to_train_s": ttt, "time_to_train_ratio": r_ttt, "fits": est.fits,
+            "peak_tile_bytes": est.peak_tile_bytes, "runs": measured["runs"],
+            "expected_error": est.expected_error_summary(), "estimate_seconds": seconds}
+
+
+def _resnet_rows() -> list[dict[str, Any]]:
+    import tf_ipu
+
+    rows, planned = [], {}
+    model = _resnet50()
+    for version, chip in (("v1.0", "ipu2"), ("v1.1", "ipu2"), ("v2.0", "bow")):
+        system, names = _POD16[chip]
+        m = _measured("resnet", version, names)
+        micro, accumulation = int(m["micro_batch"]), int(m["accumulation"])
+        t0 = time.perf_counter()
+        if (chip, micro) not in planned:  # another accumulation count re-plans nothing
+            planned[chip, micro] = tf_ipu.estimate(
+                model, micro, training=True, ipu_version=chip, replicas=16, system=system,
+                gradient_accumulation_steps_per_replica=accumulation)
+        est = planned[chip, micro].with_accumulation(accumulation)
+        ttt = est.time_to_train(dataset_size=IMAGENET_TRAIN, epochs=m["trained"])
+        config = (f"16 replicas x micro-batch {micro} x {accumulation} accumulated, "
+                  f"{m['trained']:g} epochs ({_RESNET_CFG})")
+        rows.append(_ratio_row("ResNet-50", version, chip, m, est.throughput, est, ttt, config,
+                               time.perf_counter() - t0))
+    return rows
+
+
+def _bert_rows() -> list[dict[str, Any]]:
+    import tf_ipu
+
+    rows, cache = [], {}
+    for version, chip, replicas, placement, micro, accumulation, offload, path in _BERT:
+        system, names = _POD16[chip]
+        m = _measured("bert", version, names)
+        key = (chip, replicas, placement, micro, accumulation, offload)
+        t0 = time.perf_counter()
+        if key not in cache:  # v1.0 and v1.1 ran the same configuration
+            model = _bert(placement, accumulation, offload)
+            cache[key] = tf_ipu.estimate(model, micro, training=True, ipu_version=chip,
+                                         replicas=replicas, system=system, recomputation=True,
+                                         steps=1)
+        est = cache[key]
+        tput = est.throughput * SEQUENCES_PER_ROW  # rows/s -> sequences/s
+        ttt = m["trained"] / tput
+        config = (f"{replicas} replicas x a {placement} pipeline, {micro} packed rows x "
+                  f"{accumulation} micro-batches, {m['trained']:,.0f} sequences ({path})")
+        rows.append(_ratio_row("BERT-Large", version, chip, m, tput, est, ttt, config,
+                               time.perf_counter() - t0))
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for metric in ("throughput_ratio", "time_to_train_ratio"):
+        logs = [abs(math.log(r[metric])) for r in rows]
+        out[metric] = {"typical": math.exp(sum(logs) / len(logs)), "worst": math.exp(max(logs)),
+                       "points": len(rows)}
+    return out
+
+
+def main(quick: bool = False) -> list[dict[str, Any]]:
+    import keras
+
+    print("Graphcore's MLPerf Training closed-division runs on 16-IPU pods, estimated with "
+          "each submission's configuration (end-to-end reference points: never fitted)")
+    keras.mixed_precision.set_global_policy("float16")
+    try:
+        rows = _resnet_rows()
+        if not quick:
+            keras.mixed_precision.set_global_policy("float16")
+            rows += _bert_rows()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    s = _summary(rows)
+    for metric, v in s.items():
+        print(f"  {metric.replace('_', ' ')}: typical {v['typical']:.2f}x, worst {v['worst']:.2f}x "
+              f"over {v['points']} configurations")
+    rows.append({"summary": s})
+    return rows
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)
