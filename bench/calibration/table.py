@@ -24,12 +24,14 @@ OP_CLASSES: frozenset[str] = frozenset({
 })
 OP_LEVEL_CLASSES: frozenset[str] = OP_CLASSES - {"e2e_inference", "e2e_training"}
 IPU_CHIPS: frozenset[str] = frozenset({"GC2", "GC200", "Bow"})
-COMPARISON_CHIPS: frozenset[str] = frozenset({"V100", "T4", "A100", "Xeon-8168", "Xeon-lake"})
+COMPARISON_CHIPS: frozenset[str] = frozenset({
+    "V100", "T4", "A100", "H100-PCIe", "H100-NVLink", "GH200", "MI250", "Xeon-8168", "Xeon-lake",
+})
 CHIPS: frozenset[str] = IPU_CHIPS | COMPARISON_CHIPS
 METRICS: frozenset[str] = frozenset({
     "tflops", "gbytes_per_s", "tbytes_per_s", "cycles", "ns", "seconds", "items_per_s",
     "latency_ms", "latency_p90_ms", "latency_p95_ms", "latency_p99_ms", "ratio", "fraction",
-    "fraction_of_peak", "fraction_of_roofline", "relative_performance",
+    "fraction_of_peak", "fraction_of_roofline", "relative_performance", "energy_wh",
 })
 HOW: frozenset[str] = frozenset({"table", "text", "plot"})
 READ_STATUSES: frozenset[str] = frozenset({"full", "partial", "abstract"})
