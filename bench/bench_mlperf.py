@@ -44,8 +44,7 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-IMAGENET_TRAIN = 1_281_167
-SEQUENCES_PER_ROW = 2  # avg_seq_per_pack of the closed BERT configurations
+from bench.calibration.mlperf_logs import IMAGENET_TRAIN, SEQUENCES_PER_ROW  # noqa: E402
 
 _RESNET_CFG = "Graphcore/benchmarks/resnet/implementations/tensorflow/configs.yml"
 #: BERT configurations: (round, chip, replicas, pipeline stages, rows per micro-batch,
@@ -79,7 +78,7 @@ def _measured(benchmark: str, version: str, systems: tuple[str, ...]) -> dict[st
             "trained": statistics.median(m.params[size] for m in ttt),
             "accumulation": statistics.mode(m.params["gradient_accumulation_steps"] for m in tput),
             "micro_batch": statistics.mode(m.params.get("micro_batch_per_replica") for m in tput),
-            "runs": len(ttt), "ids": sorted(m.id for m in ttt)[:1]}
+            "runs": len(ttt)}
 
 
 def _resnet50() -> Any:

@@ -33,7 +33,7 @@ from typing import Any
 from bench.calibration.table import MEASUREMENTS_PATH
 
 IMAGENET_TRAIN = 1_281_167
-_PACK = 2  # sequences per packed row in Graphcore's closed BERT configs (avg_seq_per_pack)
+SEQUENCES_PER_ROW = 2  # sequences per packed row in the closed BERT configs (avg_seq_per_pack)
 
 
 def _mllog(repo: str, path: str) -> list[dict[str, Any]]:
@@ -108,7 +108,7 @@ def rows_for(repo: str, time_rows: list[dict[str, Any]]) -> list[dict[str, Any]]
             "excluded": excluded,
             "notes": ("Training throughput of the run whose time-to-train row is "
                       f"{row['id']}. BERT samples are sequences (closed division: packed, about "
-                      f"{_PACK} per 512-token row). "
+                      f"{SEQUENCES_PER_ROW} per 512-token row). "
                       "End-to-end training: not in the declared validation set (README), never fitted."),
         })
     return out
