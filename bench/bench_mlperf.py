@@ -33,6 +33,7 @@ span hosts and gateways). Each is estimated with the configuration its submissio
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -61,10 +62,15 @@ _FRAMEWORK = {"resnet": "TensorFlow", "bert": "PopART"}  # the configurations st
 _POD16 = {"ipu2": ("pod16", ("IPU-POD16",)), "bow": ("bow-pod16", ("Bow Pod16", "Bow-Pod16"))}
 
 
-def _measured(benchmark: str, version: str, systems: tuple[str, ...]) -> dict[str, Any]:
+@functools.cache
+def _table() -> tuple[Any, ...]:
     from bench.calibration.table import load_measurements
 
-    rows = [m for m in load_measurements() if m.source == f"mlperf-train-{version}"
+    return tuple(load_measurements())
+
+
+def _measured(benchmark: str, version: str, systems: tuple[str, ...]) -> dict[str, Any]:
+    rows = [m for m in _table() if m.source == f"mlperf-train-{version}"
             and m.usable and m.op_class == "e2e_training" and m.params.get("benchmark") == benchmark
             and m.params.get("division") == "closed" and m.params.get("system") in systems
             and str(m.params.get("framework", "")).startswith(_FRAMEWORK[benchmark])]

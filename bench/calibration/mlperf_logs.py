@@ -27,10 +27,10 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-from bench.calibration.table import MEASUREMENTS_PATH
+from bench.calibration.table import Measurement, load_measurements
 
 IMAGENET_TRAIN = 1_281_167
 SEQUENCES_PER_ROW = 2  # sequences per packed row in the closed BERT configs (avg_seq_per_pack)
@@ -62,27 +62,26 @@ def resnet_throughput(log: list[dict[str, Any]]) -> tuple[float, int]:
 def bert_throughput(log: list[dict[str, Any]]) -> tuple[float, int]:
     """Median sequences/s over the run's training blocks, and the number of blocks."""
     rates, start, done = [], None, 0
-    stops: list[float] = []
+    block_ms: float | None = None  # the training block the next evaluation ends
     for e in log:
         if e["key"] == "block_start":
             start = e["time_ms"]
         elif e["key"] == "block_stop" and start is not None:
-            stops.append(e["time_ms"] - start)
-            start = None
-        elif e["key"] == "eval_accuracy" and stops:
+            block_ms, start = e["time_ms"] - start, None
+        elif e["key"] == "eval_accuracy" and block_ms is not None:
             samples = e["metadata"]["epoch_num"]
             if samples > done:
-                rates.append((samples - done) / (stops[-1] / 1e3))
-            done = samples
-            stops.clear()
+                rates.append((samples - done) / (block_ms / 1e3))
+            done, block_ms = samples, None
     return statistics.median(rates), len(rates)
 
 
-def rows_for(repo: str, time_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def rows_for(repo: str, time_rows: Sequence[Measurement]) -> list[dict[str, Any]]:
+    """The throughput row of each time-to-train row's run, read from its log in ``repo``."""
     out = []
     for row in time_rows:
-        path = row["where"].split(" ", 1)[0]
-        p = row["params"]
+        path = row.where.split(" ", 1)[0]
+        p = dict(row.params)
         log = _mllog(repo, path)
         accumulation = _value(log, "gradient_accumulation_steps")
         if p["benchmark"] == "resnet":
@@ -99,15 +98,14 @@ def rows_for(repo: str, time_rows: list[dict[str, Any]]) -> list[dict[str, Any]]
             continue
         params = {**p, "gradient_accumulation_steps": accumulation, "replicas": replicas,
                   "micro_batch_per_replica": (round(micro, 3) if micro is not None else None)}
-        excluded = row["excluded"] or ""
         out.append({
-            "id": f"{row['id']}-throughput", "source": row["source"], "chip": row["chip"],
+            "id": f"{row.id}-throughput", "source": row.source, "chip": row.chip,
             "op_class": "e2e_training", "params": params, "metric": "items_per_s",
             "value": round(rate, 1), "uncertainty": 0.0, "how": "text",
             "where": f"{path} (MLLOG epoch/block start and stop time_ms; {how})",
-            "excluded": excluded,
+            "excluded": row.excluded,
             "notes": ("Training throughput of the run whose time-to-train row is "
-                      f"{row['id']}. BERT samples are sequences (closed division: packed, about "
+                      f"{row.id}. BERT samples are sequences (closed division: packed, about "
                       f"{SEQUENCES_PER_ROW} per 512-token row). "
                       "End-to-end training: not in the declared validation set (README), never fitted."),
         })
@@ -115,11 +113,11 @@ def rows_for(repo: str, time_rows: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def main(repos: list[str]) -> int:
-    rows = [json.loads(line) for line in Path(MEASUREMENTS_PATH).read_text().splitlines() if line.strip()]
+    rows = load_measurements()
     for repo in repos:
         version = next(v for v in ("v1.0", "v1.1", "v2.0") if f"training_results_{v}" in repo)
-        mine = [r for r in rows if r["source"] == f"mlperf-train-{version}"
-                and r["op_class"] == "e2e_training" and r["metric"] == "seconds"]
+        mine = [r for r in rows if r.source == f"mlperf-train-{version}"
+                and r.op_class == "e2e_training" and r.metric == "seconds"]
         for r in rows_for(repo, mine):
             print(json.dumps(r))
     return 0
