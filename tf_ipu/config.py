@@ -696,9 +696,10 @@ class IPUConfig(_Section):
         "system": "",
     }
     _notes = {
-        "allow_recompute": (Effect.KEPT, "only pipelined models recompute here: the tile "
-                            "model charges their stages' recomputation; other programs keep "
-                            "every activation until its gradient uses it"),
+        "allow_recompute": (Effect.KEPT, "results never change; the tile model remakes "
+                            "pipeline stages' segments between recomputation checkpoints, and "
+                            "in programs without a pipeline the cheap element-wise results the "
+                            "backward reads (docs/tile_model.md, \"Recomputation\")"),
         "selection_order": (Effect.KEPT, "the replicas' IPUs are the session's, in id order"),
         "serialization_output_folder": (
             Effect.IGNORED, "set IPUConfig.executable_cache_path (or --executable_cache_path "

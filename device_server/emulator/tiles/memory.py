@@ -41,6 +41,7 @@ import numpy as np
 from device_server.emulator.tiles.irinfo import layer_name
 from device_server.emulator.tiles.liveness import Liveness, graph_of, hlo_liveness, liveness
 from device_server.emulator.tiles.plan import Buf, CompPlan, ModulePlan
+from device_server.emulator.tiles.recompute import Recomputation
 from device_server.emulator.tiles.schedule import schedule
 
 __all__ = ["CATEGORIES", "Contributor", "IpuView", "MemoryProfile", "Schedule", "memory_schedule",
@@ -289,11 +290,14 @@ def _always_live(plan: ModulePlan, view: IpuView | None) -> tuple[dict[str, np.n
 
 
 def profile_memory(plan: ModulePlan, top: int = 12, *, order: str = "scheduled",
-                   view: IpuView | None = None, schedule: Schedule | None = None) -> MemoryProfile:
+                   view: IpuView | None = None, schedule: Schedule | None = None,
+                   recompute: Recomputation | None = None) -> MemoryProfile:
     """The memory profile of a planned module (of one IPU of it: ``view``) with its points
     in ``order``: "scheduled" (the memory-aware schedule, or HLO order where that is no
     worse) or "hlo" (see module docstring). ``schedule``: ``memory_schedule(plan)``, if made
-    already (a pipelined program's IPUs share it)."""
+    already (a pipelined program's IPUs share it). ``recompute``: the forward tensors the
+    backward makes again (``recompute.py``) are live only while the forward reads them and
+    again from their recomputation, in either order."""
     if order not in ("scheduled", "hlo"):
         raise ValueError(f"order must be 'scheduled' or 'hlo', not {order!r}")
     T = plan.target.tiles_per_ipu
@@ -306,7 +310,7 @@ def profile_memory(plan: ModulePlan, top: int = 12, *, order: str = "scheduled",
             hlo[id(c)] = hlo_liveness(c)
         return hlo[id(c)]
 
-    sweeper = _Sweeper(T, hlo_of, view)
+    sweeper = _Sweeper(T, hlo_of if recompute is None else recompute.wrap(hlo_of), view)
     sw = sweeper(plan.entry)
     hlo_total = always + sw.total
     hlo_tile = int(np.argmax(hlo_total))
@@ -316,7 +320,12 @@ def profile_memory(plan: ModulePlan, top: int = 12, *, order: str = "scheduled",
             schedule = memory_schedule(plan, always)
         wins = schedule.wins
         chosen = schedule.chosen
-        mine = _Sweeper(T, lambda c: chosen[id(c)], view, dict(schedule.memo) if view is None else None)
+
+        def chosen_of(c: CompPlan) -> Liveness:
+            return chosen[id(c)]
+
+        memo = dict(schedule.memo) if view is None and recompute is None else None
+        mine = _Sweeper(T, chosen_of if recompute is None else recompute.wrap(chosen_of), view, memo)
         ssw = mine(plan.entry)
         if float((always + ssw.total).max()) <= float(hlo_total.max()):
             kept, sw, sweeper = "scheduled", ssw, mine

@@ -60,6 +60,7 @@ from device_server.emulator.tiles.liveness import stored
 from device_server.emulator.tiles.memory import CATEGORIES, IpuView, MemoryProfile, profile_memory
 from device_server.emulator.tiles.memory import Schedule as MemorySchedule
 from device_server.emulator.tiles.plan import Buf, CompPlan, ModulePlan, Step
+from device_server.emulator.tiles.recompute import Recomputation, checkpoint_makers
 from device_server.emulator.tiles.replication import (
     Replication,
     all_reduce_seconds,
@@ -72,7 +73,7 @@ from device_server.emulator.tiles.replication import (
 from device_server.protocol import DEVICE_LOOP_NAME, hardware, ir_pb2
 
 __all__ = ["PIPELINE_ASSUMPTIONS", "SCHEDULES", "Placement", "estimate_pipeline", "in_flight",
-           "phases", "placement", "slots"]
+           "phases", "placement", "recomputed_instructions", "slots"]
 
 SCHEDULES = ("grouped", "interleaved", "sequential")
 
@@ -288,6 +289,11 @@ def _is_gradient(source_op: str) -> bool:
     return any(source_op.startswith(m) or f"/{m}" in source_op for m in _GRADIENT_MARKS)
 
 
+# Instructions that only rearrange their operands (made of constants if their operands are).
+_CONSTANT_PLUMBING = frozenset({"broadcast", "tuple", "get-tuple-element", "reshape", "bitcast",
+                                "copy", "convert", "concatenate", "pad", "slice", "transpose"})
+
+
 def phases(module: ir_pb2.Module) -> dict[str, str]:
     """Per instruction name: "backward" (a gradient: "gradient_tape/..." op names), "update"
     (not a gradient but needs one: the optimizer, gradient accumulation) or "forward"; a
@@ -301,8 +307,15 @@ def phases(module: ir_pb2.Module) -> dict[str, str]:
             return
         done.add(comp_id)
         phase: dict[int, str] = {}
+        const: set[int] = set()  # made of constants alone (no data: not a gradient, whatever its name)
         for instr in comps[comp_id].instructions:
-            if _is_gradient(instr.source_op):
+            if instr.opcode in ("constant", "iota") or (
+                    instr.opcode in _CONSTANT_PLUMBING and instr.operands
+                    and all(o in const for o in instr.operands)):
+                const.add(instr.id)
+            # A gradient is a gradient op with data: TF's empty stacks for a loop's backward,
+            # handed to the forward loop that fills them, keep the forward loop forward.
+            if _is_gradient(instr.source_op) and instr.id not in const:
                 p = "backward"
             elif instr.opcode == "parameter":
                 p = caller_phase
@@ -514,10 +527,6 @@ def _stash(plan: ModulePlan, traffic: _Traffic, phase: dict[str, str], S: int, T
     return stash, ckpt
 
 
-#: IR attribute of an instruction whose value is a recomputation checkpoint (docs/ir.md).
-CHECKPOINT_ATTR = "recomputation_checkpoint"
-
-
 def _recomputation(comp: ir_pb2.Computation, phase: dict[str, str], S: int
                    ) -> tuple[set[str], dict[int, set[str]]]:
     """Recomputation checkpoints of one computation (``recomputation_checkpoint`` marks, seen
@@ -533,11 +542,11 @@ def _recomputation(comp: ir_pb2.Computation, phase: dict[str, str], S: int
             i = by_id[i.operands[0]]
         return i
 
-    marks = [i for i in comp.instructions
-             if CHECKPOINT_ATTR in i.attrs and i.attrs[CHECKPOINT_ATTR].flag]
-    if not marks:
+    names = checkpoint_makers(comp)
+    if not names:
         return set(), {}
-    held = {root(i).id for i in marks}
+    marks = [i for i in comp.instructions if i.name in names]
+    held = {i.id for i in marks}
     again: dict[int, set[str]] = {min(stage_of(i), S - 1): set() for i in marks}
     todo = [(o, -1) for i in comp.instructions if phase.get(i.name) == "backward" for o in i.operands]
     seen: set[tuple[int, int]] = set()
@@ -557,18 +566,14 @@ def _recomputation(comp: ir_pb2.Computation, phase: dict[str, str], S: int
     return {by_id[h].name for h in held}, again
 
 
-def _recompute_cycles(plan: ModulePlan, module: ir_pb2.Module, phase: dict[str, str],
-                      costs: list[_StageCosts], S: int) -> list[float]:
-    """Per stage, the cycles its recomputation adds to a micro-batch's backward: its whole
-    forward, or with recomputation checkpoints only the forward instructions
-    ``_recomputation`` names (and what they call), at their planned cycles."""
+def recomputed_instructions(module: ir_pb2.Module, phase: dict[str, str], S: int
+                            ) -> dict[int, set[str]]:
+    """Per stage cut by recomputation checkpoints, the names of the forward instructions its
+    recomputation runs again (``_recomputation``), with what they call."""
     again: dict[int, set[str]] = {}
     for comp in module.computations:
         for s, names in _recomputation(comp, phase, S)[1].items():
             again.setdefault(s, set()).update(names)
-    out = [c.forward for c in costs]
-    if not again:
-        return out
     comps = {c.id: c for c in module.computations}
     called = {i.name: list(i.called_computations) for c in module.computations for i in c.instructions}
     for names in again.values():  # a recomputed call, loop or reduce runs what it calls again
@@ -579,6 +584,18 @@ def _recompute_cycles(plan: ModulePlan, module: ir_pb2.Module, phase: dict[str, 
                 if i.name not in names:
                     names.add(i.name)
                     work.extend(i.called_computations)
+    return again
+
+
+def _recompute_cycles(plan: ModulePlan, module: ir_pb2.Module, phase: dict[str, str],
+                      costs: list[_StageCosts], S: int) -> list[float]:
+    """Per stage, the cycles its recomputation adds to a micro-batch's backward: its whole
+    forward, or with recomputation checkpoints only the forward instructions
+    ``_recomputation`` names (and what they call), at their planned cycles."""
+    out = [c.forward for c in costs]
+    again = recomputed_instructions(module, phase, S)
+    if not again:
+        return out
     totals = dict.fromkeys(again, 0.0)
 
     def visit(steps: Iterable[Step], mult: float, loop_body: bool) -> None:
@@ -669,8 +686,16 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
     backward = any(c.backward > 0 for c in costs)
     timeline = slots(where.schedule, S, M, backward)
     k = in_flight(timeline, S) if backward else [1] * S
-    recompute = [where.recomputation and backward and k[s] > 1 and costs[s].backward > 0
-                 for s in range(S)]
+    # Every stage but the last is recomputed (its backward runs after other stages' work:
+    # with micro-batches in flight it stashes its input instead of its activations; in the
+    # Sequential schedule, k = 1, its activations are not live across the other stages), and
+    # so is any stage recomputation checkpoints cut (RecomputeAndBackpropagateInterleaved:
+    # the backward remakes one segment at a time, which bounds the stage's own liveness).
+    marked = {s for c in module.computations for s in _recomputation(c, phase, S)[1]}
+    recompute = [where.recomputation and backward and (s < S - 1 or s in marked)
+                 and costs[s].backward > 0 for s in range(S)]
+    rec = Recomputation("segments", phase, frozenset(s for s in range(S) if recompute[s]), S) \
+        if any(recompute) else None
     F = [c.forward for c in costs]
     again = _recompute_cycles(plan, module, phase, costs, S)  # per stage, when recomputed
     B = [c.backward + (again[s] if recompute[s] else 0.0) for s, c in enumerate(costs)]
@@ -716,7 +741,7 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
     offload_notes: list[str] = []
     for i in used:
         view = views[i]
-        prof = profile_memory(plan, view=view, schedule=memory)
+        prof = profile_memory(plan, view=view, schedule=memory, recompute=rec)
         extra_bytes = np.zeros(T)
         held = np.zeros(T)
         for s in view.stages:

@@ -1,0 +1,216 @@
+"""Recomputation: which forward tensors the backward pass makes again instead of keeping them,
+and their live ranges then (docs/tile_model.md, "Recomputation").
+
+    forward    x ─> a ─> b ─> c ─> [ck1] ─> d ─> e ─> [ck2] ─> ...      ck: checkpoints (kept)
+    backward   ... made again from ck1: d, e ─> grad(e), grad(d)
+                   made again from x:   a, b, c ─> grad(c), grad(b), grad(a)
+
+    a recomputed tensor is live [made, its last forward read]
+                        and again [its segment's recompute point, its last backward read]
+
+Two policies, as Graphcore's recomputation works (graphcore/tensorflow ``RecomputationMode``,
+``IPUConfig.allow_recompute``):
+
+* **segments**: a pipeline stage that is recomputed (``pipeline.py``: a stage with
+  micro-batches in flight, or any stage with recomputation checkpoints, which Graphcore honours
+  in ``RecomputeAndBackpropagateInterleaved``, one-stage pipelines included). Its forward is
+  cut at its checkpoints into segments (the stage's input opens the first); the backward of a
+  segment starts by making the segment again from the checkpoint before it, so the segment's
+  tensors that the backward reads are live again from the first backward read of any of them.
+  Checkpoints, stage inputs (a tensor another stage's forward reads), results and tensors
+  made by instructions with effects (feeds, random numbers, custom calls) are kept.
+* **cheap** (``allow_recompute`` on a program without a pipeline, where Graphcore pattern-
+  matches instructions to recompute): an element-wise result (a cast, an activation) the
+  backward reads is made again at each backward read from operands that are live there
+  anyway (kept for the backward, parameters, constants), instead of being kept.
+
+The transients of recomputation itself (what a segment makes that no backward reads) are not
+counted: they die as they do in the forward pass.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from device_server.emulator.tiles.irinfo import ELEMENTWISE_OPS, RNG_OPS, VIEW_OPS, stage_of
+from device_server.emulator.tiles.liveness import ORDERED_OPS, Liveness
+from device_server.emulator.tiles.plan import Buf, CompPlan
+from device_server.protocol import ir_pb2
+
+__all__ = ["CHECKPOINT_ATTR", "Recomputation", "checkpoint_makers", "again_cycles", "recomputed_liveness"]
+
+#: IR attribute of an instruction whose value is a recomputation checkpoint (docs/ir.md).
+CHECKPOINT_ATTR = "recomputation_checkpoint"
+
+# Instructions whose results are never made again: effects, random numbers, loop plumbing.
+_KEPT_OPS = ORDERED_OPS | RNG_OPS | {"parameter", "constant", "tuple", "get-tuple-element"}
+# Cheap to make again from operands that are live anyway (the ``cheap`` policy).
+_CHEAP_OPS = ELEMENTWISE_OPS | {"convert", "broadcast", "select", "clamp", "compare", "maximum",
+                                "minimum", "add", "subtract", "multiply", "divide"}
+
+
+def _root(by_id: Mapping[int, ir_pb2.Instruction], i: ir_pb2.Instruction) -> ir_pb2.Instruction:
+    """The instruction that makes the value ``i`` views (through reshapes, copies, ...)."""
+    while i.opcode in VIEW_OPS and i.operands and i.operands[0] in by_id:
+        i = by_id[i.operands[0]]
+    return i
+
+
+def checkpoint_makers(comp: ir_pb2.Computation) -> set[str]:
+    """Names of the instructions that make the values ``comp`` marks as recomputation
+    checkpoints (``recomputation_checkpoint``, seen through views)."""
+    by_id = {i.id: i for i in comp.instructions}
+    return {_root(by_id, i).name for i in comp.instructions
+            if CHECKPOINT_ATTR in i.attrs and i.attrs[CHECKPOINT_ATTR].flag}
+
+
+@dataclass
+class Recomputation:
+    """What is recomputed: ``policy`` "segments" for the ``stages`` given (None: every stage),
+    or "cheap"; ``phase`` per instruction name ("forward", "backward", "update"), as
+    ``pipeline.phases`` gives it; ``stages`` the program's stage count."""
+
+    policy: str
+    phase: Mapping[str, str]
+    recomputed_stages: frozenset[int] | None = None
+    stages: int = 1
+    #: instructions run again, and how many times per run of their computation: given (the
+    #: segments of a program that is not pipelined), or found as the ``cheap`` policy sweeps
+    again: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("segments", "cheap"):
+            raise ValueError(f"recomputation policy must be 'segments' or 'cheap', not {self.policy!r}")
+
+    def wrap(self, live_of: Callable[[CompPlan], Liveness]) -> Callable[[CompPlan], Liveness]:
+        """``live_of`` with each computation's live ranges under recomputation (memoized)."""
+        memo: dict[int, Liveness] = {}
+
+        def of(ctx: CompPlan) -> Liveness:
+            if id(ctx) not in memo:
+                memo[id(ctx)] = recomputed_liveness(ctx, live_of(ctx), self)
+            return memo[id(ctx)]
+
+        return of
+
+
+def _stage(instr: ir_pb2.Instruction, S: int) -> int:
+    return min(max(stage_of(instr), 0), S - 1)
+
+
+def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Liveness:
+    """``live`` with the ranges of the tensors ``rec`` recomputes split in two (see module
+    docstring); the order is unchanged."""
+    n = len(live.order)
+    points = ctx.points
+    phase = rec.phase
+    S = max(rec.stages, 1)
+    # Per buffer: positions of its forward readers and of its later (backward, update) readers,
+    # and the stages whose forward reads it.
+    # A backward instruction that reads no gradient (no tensor the backward or the update
+    # made: a ReLU's mask, the loss's derivative from the forward's outputs) is forward work
+    # under recomputation: Poplar runs it when the backward needs it, after the remaking.
+    early = {p.instr.name for p in points
+             if phase.get(p.instr.name, "forward") == "backward"
+             and not any(b.ctx is not None and phase.get(b.instr.name, "forward") != "forward"
+                         for b in p.uses)}
+
+    def forward_work(name: str) -> bool:
+        return phase.get(name, "forward") == "forward" or name in early
+
+    fwd: dict[int, list[int]] = {}
+    late: dict[int, list[int]] = {}
+    fwd_stages: dict[int, set[int]] = {}
+    for k, pi in enumerate(live.order):
+        p = points[pi]
+        for b in p.uses:
+            if forward_work(p.instr.name):
+                fwd.setdefault(id(b), []).append(k)
+                fwd_stages.setdefault(id(b), set()).add(_stage(p.instr, S))
+            else:
+                late.setdefault(id(b), []).append(k)
+    if not late:
+        return live
+    held = checkpoint_makers(ctx.comp)
+    by_id = {i.id: i for i in ctx.comp.instructions}
+
+    def candidate(b: Buf, first: int, last: int) -> bool:
+        ins = b.instr
+        return (b.kind == "activation" and last < n and id(b) in late and forward_work(ins.name)
+                and ins.opcode not in _KEPT_OPS and ins.name not in held
+                and not (fwd_stages.get(id(b), set()) - {_stage(ins, S)}))  # a stage input
+
+    ranges: list[tuple[Buf, int, int]] = []
+    again: dict[str, int] = {}
+    if rec.policy == "segments":
+        cuts: dict[int, list[int]] = {}
+        for k, p in enumerate(points):
+            if p.instr.name in held:
+                cuts.setdefault(_stage(p.instr, S), []).append(k)
+        chosen: list[tuple[Buf, int, int, tuple[int, int]]] = []
+        start: dict[tuple[int, int], int] = {}
+        for b, first, last in live.ranges:
+            s = _stage(b.instr, S)
+            if (rec.recomputed_stages is None or s in rec.recomputed_stages) and candidate(b, first, last):
+                seg = (s, bisect.bisect_left(sorted(cuts.get(s, ())), b.born))
+                chosen.append((b, first, last, seg))
+                start[seg] = min(start.get(seg, n), min(late[id(b)]))
+            else:
+                ranges.append((b, first, last))
+        for b, first, last, seg in chosen:
+            lf = max(fwd.get(id(b), [first]))
+            r = start[seg]
+            if r > lf + 1:
+                ranges += [(b, first, lf), (b, r, last)]
+            else:
+                ranges.append((b, first, last))
+    else:
+        spans = {b.instr.id: (first, last) for b, first, last in live.ranges}
+        made_again: set[int] = set()
+
+        def available(oid: int, until: int) -> bool:
+            ins = by_id.get(oid)
+            if ins is None:
+                return False
+            root = _root(by_id, ins)
+            if root.opcode in ("parameter", "constant", "get-tuple-element", "iota"):
+                return True
+            span = spans.get(root.id)
+            return span is not None and root.id not in made_again and span[1] >= until
+
+        for b, first, last in live.ranges:
+            ins = b.instr
+            reads = late.get(id(b), [])
+            if (candidate(b, first, last) and ins.opcode in _CHEAP_OPS and ins.operands
+                    and all(available(o, max(reads)) for o in ins.operands)):
+                lf = max(fwd.get(id(b), [first]))
+                made_again.add(ins.id)
+                ranges.append((b, first, lf))
+                ranges += [(b, k, k) for k in sorted(set(reads))]
+                again[ins.name] = len(set(reads))
+            else:
+                ranges.append((b, first, last))
+    rec.again.update(again)
+    return Liveness(live.order, ranges, live.scheduler)
+
+
+def again_cycles(steps: Iterable, names: Mapping[str, int]) -> float:
+    """The cycles recomputation adds to a program that is not pipelined: each instruction run
+    again as many times as ``names`` says, at its planned cycles, times the trips of the loops
+    around it."""
+    if not names:
+        return 0.0
+    total = 0.0
+
+    def visit(steps: Iterable, mult: float) -> None:
+        nonlocal total
+        for st in steps:
+            if st.name in names:
+                total += (st.compute + st.exchange + st.sync) * mult * names[st.name]
+            for child in st.children:
+                visit(child.steps, mult * st.repeat)
+
+    visit(steps, 1.0)
+    return total

@@ -1,0 +1,152 @@
+"""Recomputation in the tile model (docs/tile_model.md, "Recomputation"): what the backward pass
+makes again is not kept live through the forward pass, within a stage and on one IPU.
+
+Estimates only (no server): Graphcore's one-stage and one-IPU pipelines with recomputation
+checkpoints, the Sequential schedule's stages, the recomputation tutorial's checkpointed
+LSTM at a reduced length."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def tf():
+    """TensorFlow, with tf_ipu's Graphcore paths (``keras.ipu``, ``ipu_tensorflow_addons``)."""
+    import tensorflow
+
+    import tf_ipu  # noqa: F401
+
+    return tensorflow
+
+
+def _modes():
+    from tensorflow.python import ipu
+
+    return ipu.ops.pipelining_ops.PipelineSchedule, ipu.ops.pipelining_ops.RecomputationMode
+
+
+def _conv_stack(checkpoints: bool, stages: int = 1):
+    """Eight 3x3 convolutions over 32 x 32 x 16 images; with ``checkpoints`` a
+    ``RecomputationCheckpoint`` after every second one (three in all), the stack cut into
+    ``stages`` pipeline stages on IPU 0 (Graphcore's ResNet-50 recipe keeps them on one IPU)."""
+    import keras
+    from ipu_tensorflow_addons.keras.layers import RecomputationCheckpoint
+
+    import tf_ipu
+
+    schedule, mode = _modes()
+    per = 8 // stages
+    with tf_ipu.IPUStrategy().scope():
+        x = inp = keras.Input((32, 32, 16))
+        for stage in range(stages):
+            with keras.ipu.PipelineStage(stage):
+                for i in range(stage * per, (stage + 1) * per):
+                    x = keras.layers.Conv2D(32, 3, padding="same", activation="relu",
+                                            name=f"conv{i}")(x)
+                    if checkpoints and i % 2 == 1 and i < 7:
+                        x = RecomputationCheckpoint()(x)
+                if stage == stages - 1:
+                    x = keras.layers.GlobalAveragePooling2D()(x)
+                    x = keras.layers.Dense(10)(x)
+        model = keras.Model(inp, x)
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.set_pipelining_options(
+            gradient_accumulation_steps_per_replica=4, device_mapping=[0] * stages,
+            pipeline_schedule=schedule.Sequential if stages > 1 else schedule.Grouped,
+            recomputation_mode=mode.RecomputeAndBackpropagateInterleaved)
+    return model
+
+
+def _estimate(model, recomputation: bool, batch: int = 16):
+    import tf_ipu
+
+    return tf_ipu.estimate(model, batch, training=True, ipu_version="ipu1",
+                           recomputation=recomputation)
+
+
+def test_checkpoints_bound_a_one_stage_pipelines_liveness(tf) -> None:
+    """A one-stage pipeline (k = 1: nothing in flight) with three checkpoints: recomputation
+    lowers the fullest tile (the backward remakes one two-convolution segment at a time, so
+    the forward's activations are not all live when it starts) and adds the forward's cycles
+    it runs again; without checkpoints, or without recomputation, memory is the plain step's."""
+    plain = _estimate(_conv_stack(False), False)
+    no_checkpoints = _estimate(_conv_stack(False), True)
+    marked = _conv_stack(True)
+    kept = _estimate(marked, False)
+    recomputed = _estimate(marked, True)
+    assert no_checkpoints.peak_tile_bytes == plain.peak_tile_bytes
+    assert kept.peak_tile_bytes == plain.peak_tile_bytes
+    activations = sum(recomputed.memory["activations"])
+    assert activations < 0.8 * sum(kept.memory["activations"]), (activations, kept.peak_tile_bytes)
+    assert recomputed.peak_tile_bytes < kept.peak_tile_bytes
+    # The segments' convolutions run again: between a sixth and a half of the forward more.
+    assert kept.cycles * 1.05 < recomputed.cycles < kept.cycles * 1.6
+
+
+def test_sequential_stages_on_one_ipu_are_recomputed_from_their_inputs(tf) -> None:
+    """Graphcore's MLPerf ResNet-50 layout: stages on one IPU, the Sequential schedule,
+    recomputation on. Every stage but the last keeps only its input through the others'
+    work, so the IPU's fullest tile drops; the last stage is not recomputed."""
+    model = _conv_stack(False, stages=4)
+    kept = _estimate(model, False)
+    recomputed = _estimate(model, True)
+    assert recomputed.pipeline_stages == 4 and len(recomputed.ipus) == 1
+    assert [s["recomputation"] for s in recomputed.stages] == [True, True, True, False]
+    assert recomputed.peak_tile_bytes < kept.peak_tile_bytes
+    assert sum(s["recompute_cycles"] for s in recomputed.stages) > 0
+
+
+def _split_lstm(seq_len: int, checkpoints: int, units: int = 32, features: int = 16):
+    """The recomputation tutorial's model (graphcore/examples tutorials/feature_examples/
+    tensorflow2/recomputation_checkpoints/recompute_lstm.py), smaller: one ``PopnnLSTM`` over
+    ``checkpoints + 1`` slices of the sequence, its state checkpointed between slices; stage 0
+    the LSTM, stage 1 a Dense, both on IPU 0, Sequential, RecomputeAndBackpropagateInterleaved."""
+    import ipu_tensorflow_addons.keras.layers as ipu_layers
+    import keras
+    import tensorflow as tf
+
+    import tf_ipu
+
+    schedule, mode = _modes()
+    with tf_ipu.IPUStrategy().scope():
+        inputs = keras.Input((seq_len, features))
+        with keras.ipu.PipelineStage(0):
+            lstm = ipu_layers.PopnnLSTM(units, return_state=True)
+            outs, state = [], None
+            for i in range(checkpoints + 1):
+                begin, end = i * seq_len // (checkpoints + 1), (i + 1) * seq_len // (checkpoints + 1)
+                part = keras.layers.Lambda(lambda x, b=0, e=0: x[:, b:e, :],
+                                           arguments={"b": begin, "e": end})(inputs)
+                out, h, c = lstm(part, initial_state=state)
+                if i != checkpoints:
+                    h, c = ipu_layers.RecomputationCheckpoint()([h, c])
+                state = (h, c)
+                outs.append(out)
+            x = keras.layers.Concatenate(axis=1)(outs) if len(outs) > 1 else outs[0]
+        with keras.ipu.PipelineStage(1):
+            x = keras.layers.Dense(1)(x)
+        model = keras.Model(inputs, x)
+        model.compile(tf.optimizers.SGD(0.001), loss="mse", steps_per_execution=4)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4,
+                                     pipeline_schedule=schedule.Sequential, device_mapping=[0, 0],
+                                     recomputation_mode=mode.RecomputeAndBackpropagateInterleaved)
+    return model
+
+
+def test_the_tutorials_checkpoints_lower_the_lstms_peak(tf) -> None:
+    """The tutorial's point at 256 steps: with 7 checkpoints the backward remakes one slice's
+    per-step stash at a time (the loops that fill them stay forward work, although TF names
+    their empty stacks after the gradient), without them every step's stash is live at once."""
+    import tf_ipu
+
+    seven = tf_ipu.estimate(_split_lstm(256, 7), 4, training=True, ipu_version="ipu2",
+                            recomputation=True)
+    none = tf_ipu.estimate(_split_lstm(256, 0), 4, training=True, ipu_version="ipu2",
+                           recomputation=True)
+    assert seven.stages[0]["recomputation"] and seven.stages[0]["recompute_cycles"] > 0
+    assert sum(seven.memory["activations"]) < 0.5 * sum(none.memory["activations"])
+    assert seven.peak_tile_bytes < none.peak_tile_bytes
