@@ -2,8 +2,12 @@
 
     while:        condition and body planned once (their own CompPlans), repeated by the trip
                   count (loops.py) as one "loop" step; + the copy of the new loop state per
-                  trip; the device loop (a while of the entry computation) syncs the replicas
-                  each trip
+                  trip (not of a stash updated in place); the device loop (a while of the entry
+                  computation) syncs the replicas each trip. A loop-carried buffer the body
+                  writes one slice of per trip (dynamic-update-slice or scatter along its first
+                  dimension: TensorListPushBack / SetItem, an RNN's stash) is laid out
+                  sliceable (mapping.Allocator.sliceable), as popops' createSliceableTensor
+                  lays out a tensor sliced along that dimension
     call:         the callee planned in place; its results belong to the caller
     conditional:  every branch planned; cycles of the costliest, memory of the largest
 """
@@ -11,7 +15,7 @@
 from __future__ import annotations
 
 from device_server.emulator.tiles import cycles as cyc
-from device_server.emulator.tiles.loops import TripCount, loop_trip_count
+from device_server.emulator.tiles.loops import TripCount, loop_trip_count, stash_slices
 from device_server.emulator.tiles.plan import Buf, CompPlan, Step, Value, value_leaves
 from device_server.emulator.tiles.state import PlannerState
 from device_server.protocol import ir_pb2
@@ -27,6 +31,7 @@ class ControlPlanning(PlannerState):
         t = self.t
         state = self._materialize(ctx, ops[0], instr, k)
         self.use(ctx, state, k)
+        self._lay_out_stashes(state, instr)
         by_id = {i.id: i for i in ctx.comp.instructions}
         trips: TripCount = loop_trip_count(self.module, instr, by_id)
         cond_id, body_id = instr.called_computations[0], instr.called_computations[1]
@@ -38,6 +43,9 @@ class ControlPlanning(PlannerState):
         copy_bytes = 0.0
         state_leaves = list(value_leaves(state))
         for old, new in zip(state_leaves, value_leaves(body.root), strict=False):
+            if isinstance(new, Buf) and isinstance(old, Buf) and new.mapping is old.mapping \
+                    and new.instr.opcode in ("dynamic-update-slice", "scatter"):
+                continue  # updated in place (the stash): no copy of the whole buffer
             if new is not old and isinstance(old, Buf):
                 copy_bytes = max(copy_bytes, self.mapping_of(old).max_elements * old.itemsize)
         if ctx.caller is None:  # the device loop: each step syncs the replicas
@@ -55,6 +63,28 @@ class ControlPlanning(PlannerState):
             self.notes.append(trips.note)
         self.record(instr, None, [loop], 0.0, f"{trips.trips} trip(s) ({trips.kind})")
         return state
+
+    def _lay_out_stashes(self, state: Value, instr: ir_pb2.Instruction) -> None:
+        """Lays out sliceable the loop-carried buffers the body writes one slice of per trip
+        (``loops.stash_slices``), as Poplar creates a tensor that is dynamically sliced and
+        updated: each tile holds its part of every slice, so a trip's write and a later read
+        of one slice touch every tile a little, not a few tiles a lot. Only buffers this
+        program makes (not entry parameters, not a mapping forced by the caller) are laid out
+        again; one already sliceable is kept."""
+        if not isinstance(state, tuple):
+            return
+        body = self.comps.get(instr.called_computations[1]) if len(instr.called_computations) > 1 else None
+        if body is None:
+            return
+        for path, slices in stash_slices(body).items():
+            leaf: Value | None = state
+            for index in path:
+                leaf = leaf[index] if isinstance(leaf, tuple) and index < len(leaf) else None
+            if not isinstance(leaf, Buf) or leaf.kind != "activation" or leaf.elements < 2 * slices:
+                continue
+            if leaf.mapping is not None and leaf.mapping.slices > 1:
+                continue
+            leaf.mapping = self.alloc.sliceable(leaf.elements, leaf.itemsize, slices)
 
     def _call(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
         self.use(ctx, ops, k)

@@ -9,6 +9,10 @@
   dimension (``xs[i]``, a ``dynamic-slice``), that dimension bounds it and the plan assumes the
   loop runs to it (the Keras loop over N stacked batches runs N - 1 times after its first step).
 * Anything else runs an unknown number of times; the plan counts one iteration and says so.
+
+``stash_slices`` finds the loop-carried buffers a body writes one slice of per trip (a
+``dynamic-update-slice`` or ``scatter`` into a tuple element along its first dimension: TF's
+TensorListPushBack / TensorListSetItem, the stash an RNN keeps for its backward pass).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from device_server.protocol import dtypes, ir_pb2
 
-__all__ = ["TripCount", "loop_trip_count", "while_trip_count"]
+__all__ = ["TripCount", "loop_trip_count", "stash_slices", "while_trip_count"]
 
 
 @dataclass(frozen=True)
@@ -178,3 +182,43 @@ def loop_trip_count(module: ir_pb2.Module, instr: ir_pb2.Instruction,
                              f"{extent} entries the body indexes: {trips} trip(s) from {c.start}")
     return TripCount(1, "unknown", f"loop '{instr.name}' has no trip count known at compile time; "
                                    "counted as one iteration")
+
+
+def _gte_path(ids: dict[int, ir_pb2.Instruction], i: ir_pb2.Instruction) -> tuple[int, ...] | None:
+    """Tuple indices (outermost first) from the computation's parameter to ``i``, through
+    views and nested ``get-tuple-element``s; None if ``i`` is not such an element."""
+    path: list[int] = []
+    i = _strip(ids, i)
+    while i.opcode == "get-tuple-element" and i.operands:
+        path.append(int(i.attrs["index"].i) if "index" in i.attrs else 0)
+        i = _strip(ids, ids[i.operands[0]])
+    return tuple(reversed(path)) if path and i.opcode == "parameter" else None
+
+
+def stash_slices(body: ir_pb2.Computation) -> dict[tuple[int, ...], int]:
+    """Path of tuple indices into the loop state -> positions along its first dimension, for every
+    loop-carried buffer ``body`` updates one slice of per trip: a ``dynamic-update-slice``
+    whose update is thinner than the buffer along the first dimension only, or a ``scatter``
+    whose updates hold at most one slice, written into the buffer read from the loop's
+    parameter (through views)."""
+    ids = {x.id: x for x in body.instructions}
+    found: dict[tuple[int, ...], int] = {}
+    for i in body.instructions:
+        if i.opcode not in ("dynamic-update-slice", "scatter") or len(i.operands) < 2:
+            continue
+        dims = list(i.shape.dims)
+        if i.shape.is_tuple or len(dims) < 2 or dims[0] < 2:
+            continue
+        index = _gte_path(ids, ids[i.operands[0]])
+        if index is None:
+            continue
+        upd = ids[i.operands[1] if i.opcode == "dynamic-update-slice" else i.operands[-1]]
+        udims = list(upd.shape.dims)
+        per_slice = int(np.prod(dims[1:], dtype=np.int64))
+        if i.opcode == "dynamic-update-slice":
+            if len(udims) != len(dims) or udims[0] >= dims[0] or udims[1:] != dims[1:]:
+                continue
+        elif int(np.prod(udims, dtype=np.int64)) > per_slice:
+            continue
+        found[index] = int(dims[0])
+    return found

@@ -10,6 +10,12 @@ Most mappings are *even* (every tile of the run holds ``elements // tiles`` elem
 as many tiles as hold at least ``min_bytes_per_tile`` each), with one difference: tensors that
 use only part of the chip start where the previous such tensor ended, so that small tensors do
 not all pile onto tile 0.
+
+A *sliceable* mapping (``Allocator.sliceable``, ``slices > 1``) is the layout Poplar gives a
+tensor that is sliced along its first dimension (popops' ``createSliceableTensor``, a loop's
+per-iteration stash): each tile holds a piece of the unsliced elements for every one of the
+``slices`` positions, so one slice is spread over all the mapping's tiles. Its per-tile counts
+are those of an even mapping; ``slices`` says which elements sit where.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ __all__ = ["Allocator", "TileMapping"]
 class TileMapping:
     """Elements of one tensor over a run of tiles (see module docstring)."""
 
-    __slots__ = ("first", "tiles", "elements", "total_tiles", "counts")
+    __slots__ = ("first", "tiles", "elements", "total_tiles", "counts", "slices")
 
     def __init__(self, first: int, tiles: int, elements: int, total_tiles: int,
-                 counts: np.ndarray | None = None) -> None:
+                 counts: np.ndarray | None = None, slices: int = 1) -> None:
         if not 0 < tiles <= total_tiles:
             raise ValueError(f"a mapping needs 1..{total_tiles} tiles, received tiles={tiles}.")
         self.first = int(first) % total_tiles
@@ -40,6 +46,8 @@ class TileMapping:
                     f"received shape {counts.shape} summing to {int(counts.sum())}."
                 )
         self.counts = counts
+        # > 1: sliceable along the first dimension (each tile holds part of every slice)
+        self.slices = max(1, int(slices))
 
     @classmethod
     def on_tiles(cls, counts_by_tile: dict[int, int], total_tiles: int) -> TileMapping:
@@ -71,7 +79,7 @@ class TileMapping:
 
     def same_as(self, other: TileMapping | None) -> bool:
         """Whether both mappings put the same element indices on the same tiles."""
-        if other is None or other.elements != self.elements:
+        if other is None or other.elements != self.elements or other.slices != self.slices:
             return False
         if self.counts is not None or other.counts is not None:
             return (
@@ -122,10 +130,14 @@ class TileMapping:
                                 "elements": self.elements}
         if self.counts is not None:
             d["counts"] = [int(c) for c in self.counts]
+        if self.slices > 1:
+            d["slices"] = self.slices
         return d
 
     def __repr__(self) -> str:
         kind = "even" if self.counts is None else "irregular"
+        if self.slices > 1:
+            kind += f", sliceable x{self.slices}"
         last = (self.first + self.tiles - 1) % self.total_tiles
         return (f"TileMapping({self.elements} elements on tiles {self.first}..{last}, "
                 f"{kind}, max {self.max_elements}/tile)")
@@ -145,6 +157,20 @@ class Allocator:
         want = -(-elements * max(1, itemsize) // self.min_bytes_per_tile)
         cap = self.total_tiles if max_tiles <= 0 else min(max_tiles, self.total_tiles)
         return self.spread(elements, max(1, min(cap, want, elements)))
+
+    def sliceable(self, elements: int, itemsize: int, slices: int) -> TileMapping:
+        """A tensor of ``elements`` sliced along its first dimension (``slices`` positions)
+        laid out as popops' ``createSliceableTensor`` does: the sliced dimension whole on
+        every tile, the ``elements / slices`` unsliced elements split evenly over as many
+        tiles as the chip has (``ceil(unsliced / tiles)`` each), starting at tile 0; no tile
+        holds less than ``min_bytes_per_tile`` in all (the linear layouts' grain)."""
+        elements = max(1, int(elements))
+        slices = max(1, min(int(slices), elements))
+        unsliced = max(1, elements // slices)
+        per_slice_bytes = max(1, itemsize) * slices
+        grain = max(-(-unsliced // self.total_tiles), -(-self.min_bytes_per_tile // per_slice_bytes))
+        tiles = max(1, min(self.total_tiles, -(-unsliced // grain)))
+        return TileMapping(0, tiles, elements, self.total_tiles, slices=slices)
 
     def spread(self, elements: int, tiles: int) -> TileMapping:
         """``elements`` evenly over ``tiles`` tiles (all tiles start at tile 0; fewer start

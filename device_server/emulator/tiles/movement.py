@@ -7,7 +7,10 @@
                   busiest sender); nothing when the layouts agree
     move          transpose, slice, concatenate, pad, reverse, gather, dynamic-slice: the
                   result laid out linearly, every tile receives its part, an on-tile copy;
-                  scatter and dynamic-update-slice in place on the operand's mapping
+                  scatter and dynamic-update-slice in place on the operand's mapping; on a
+                  sliceable buffer (a loop's stash, mapping.Allocator.sliceable) a slice is
+                  spread over all its tiles: an update sends each tile its part, and a
+                  dynamic-slice of one slice stays where it is (an on-tile copy)
 """
 
 from __future__ import annotations
@@ -104,6 +107,13 @@ class MovementPlanning(PlannerState):
         in_place = op in ("dynamic-update-slice", "scatter") and isinstance(ops[0], Buf) \
             and ops[0].elements == out_elems
         mapping = self.mapping_of(ops[0]) if in_place else None
+        # One slice of a sliceable buffer, read where it lies (each tile its part of it).
+        sliced = not in_place and op == "dynamic-slice" and isinstance(ops[0], Buf) \
+            and self.mapping_of(ops[0]).slices > 1 \
+            and out_elems * self.mapping_of(ops[0]).slices <= ops[0].elements
+        if sliced:
+            src = self.mapping_of(ops[0])
+            mapping = TileMapping(src.first, max(1, min(src.tiles, out_elems)), out_elems, src.total_tiles)
         out = self.new_buf(ctx, instr, instr.shape, k, mapping)
         m = out.mapping
         e = m.max_elements
@@ -115,11 +125,21 @@ class MovementPlanning(PlannerState):
         if in_place:
             upd = ops[1] if op == "dynamic-update-slice" else ops[-1]
             upd_elems = upd.elements if isinstance(upd, (Buf, Bcast)) else 1
-            touched = min(m.tiles, max(1, math.ceil(upd_elems / max(1, e))))
-            recv = min(upd_elems, e) * item if touched else 0.0
+            # A sliceable buffer holds part of every slice on each tile: the update's
+            # elements go to all its tiles. Else they land on the tiles of one run.
+            per_tile = math.ceil(upd_elems / m.tiles) if m.slices > 1 else upd_elems
+            recv = min(per_tile, e) * item
             if op == "scatter":
-                recv += min(upd_elems, e) * 4  # indices travel with the updates
+                recv += min(per_tile, e) * 4  # indices travel with the updates
+            if m.slices > 1:  # the buffer itself sends nothing: only the update travels
+                send = max([self.mapping_of(b).max_elements * b.itemsize for b in
+                            (v if isinstance(v, Buf) else v.src if isinstance(v, Bcast) else None
+                             for v in ops[1:]) if b is not None], default=0.0)
             work = recv
+            tiles_rng = m
+        elif sliced:
+            recv = send = 0.0  # each tile copies its part of the slice: no exchange
+            work = 2.0 * e * item
             tiles_rng = m
         else:
             recv = float(e * item)
