@@ -1171,7 +1171,7 @@ class DeviceService:
                 updates[out_index] = key
 
             est = exe.estimate
-            if not est.fits:
+            if est.refused:  # over the tile model's margin (within it, or unknown: it runs)
                 raise ServiceError(
                     _EXHAUSTED,
                     f"{what}: program {exe.name!r} does not fit in tile memory "
@@ -1454,7 +1454,7 @@ def _estimate(est: Any) -> device_pb2.Estimate:
         peak_tile_bytes=int(est.peak_tile_bytes),
         tile_bytes_limit=int(est.tile_bytes_limit),
         total_bytes=int(est.total_bytes),
-        fits=bool(est.fits),
+        fits=bool(est.fits),  # False also when unknown: the report's "fits" is null then
         json=report,
     )
 

@@ -35,6 +35,8 @@ _LAZY_NAMES = {
     "IPUStrategy": "tf_ipu.strategy",
     "estimate": "tf_ipu.estimate",          # sizing without a server
     "estimate_sweep": "tf_ipu.estimate",
+    "max_batch_size": "tf_ipu.estimate",     # the largest micro-batch that fits
+    "TileModelError": "tf_ipu.estimate",     # what estimate raises when the tile model fails
     "suggest_pipeline": "tf_ipu.pipeline_split",  # a split for pipelining
     "get_runtime": "tf_ipu.runtime",
 }

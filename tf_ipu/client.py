@@ -75,7 +75,9 @@ class TensorSpec:
 class Estimate:
     """The emulator's first estimate for one execution of a program (see device.proto).
 
-    ``json`` is the full report; ``report`` parses it.
+    ``json`` is the full report; ``report`` parses it. ``fits`` is None when the fit is
+    unknown (the tile model failed: the report's ``failure`` says where); a program over its
+    tiles within the tile model's margin has ``fits`` False and ``report["within_margin"]``.
     """
 
     ipu_version: str
@@ -86,7 +88,7 @@ class Estimate:
     peak_tile_bytes: int
     tile_bytes_limit: int
     total_bytes: int
-    fits: bool
+    fits: bool | None
     json: str = ""
 
     @property
@@ -809,6 +811,7 @@ class DeviceClient:
         stochastic_rounding_seed: int = 0,
         replicas: int = 1,
         pipeline: Mapping[str, Any] | None = None,
+        recomputation: bool = False,
     ) -> CompiledProgram:
         """Compiles a program for the session's IPUs (cached on the server by content).
 
@@ -832,6 +835,8 @@ class DeviceClient:
             pipeline: a pipelined program's stages (``tf_ipu.pipelining.plan``: "stages",
                 "stage_ipus", "ipus_per_replica", "schedule", "micro_batches",
                 "recomputation"); the module's instructions carry their stage.
+            recomputation: ``IPUConfig.allow_recompute`` for a program without a pipeline
+                (the tile model's cheap remaking; a pipeline says its own).
 
         Returns:
             A ``CompiledProgram``.
@@ -865,6 +870,7 @@ class DeviceClient:
             opts.stochastic_rounding_seed = int(stochastic_rounding_seed)
         if replicas > 1:
             opts.replicas = int(replicas)
+        opts.recomputation = bool(recomputation)
         if pipeline:
             opts.pipeline_stages = int(pipeline["stages"])
             opts.stage_ipus.extend(int(i) for i in pipeline["stage_ipus"])
@@ -896,8 +902,8 @@ class DeviceClient:
             estimate=Estimate(
                 ipu_version=e.ipu_version, tiles_per_ipu=e.tiles_per_ipu, clock_hz=e.clock_hz,
                 cycles=e.cycles, seconds=e.seconds, peak_tile_bytes=e.peak_tile_bytes,
-                tile_bytes_limit=e.tile_bytes_limit, total_bytes=e.total_bytes, fits=e.fits,
-                json=e.json,
+                tile_bytes_limit=e.tile_bytes_limit, total_bytes=e.total_bytes,
+                fits=e.fits or _unknown_fit(e.json), json=e.json,
             ),
             compile_seconds=reply.compile_seconds,
         )
@@ -1058,3 +1064,12 @@ def _count(dims: Iterable[int]) -> int:
 
 def _spec(s: device_pb2.TensorSpec) -> TensorSpec:
     return TensorSpec(dtypes.to_numpy(s.dtype), tuple(int(d) for d in s.dims))
+
+
+def _unknown_fit(report: str) -> bool | None:
+    """For a reply whose ``fits`` is False: None if its report says the fit is unknown (the
+    tile model failed; the proto's bool cannot say so), else False."""
+    try:
+        return None if report and json.loads(report).get("fits", False) is None else False
+    except (ValueError, AttributeError):
+        return False

@@ -46,6 +46,17 @@ A pipelined model (set_pipeline_stage_assignment or PipelineStage scopes) is siz
 stage on its IPUs (docs/tile_model.md, "Pipelines"): its step holds its N micro-batches and
 its update, so its time to train is weight updates x that step. Every estimate names the
 expected error of the operation classes that dominate it (docs/tile_model.md, "Calibration").
+The largest micro-batch that fits (``max_batch_size``): powers of two up to a cap, then
+bisection, with the options given, and a table of it for recomputation off and on and for
+availableMemoryProportion 0.1 .. 0.6 (``--max-batch-size``)::
+
+    m = tf_ipu.max_batch_size(model, training=True, ipu_version="bow")
+    m.batch_size, m.cell(recomputation=False, available_memory_proportion=0.3)
+    print(m.table_text()); m.save_html("max_batch.html")
+
+Verdicts: ``fits`` means the fullest tile is at most its SRAM; a tile over it by at most the
+tile model's margin (``MEMORY_MARGIN``, 5%) is ``within_margin`` (compile runs it, with a
+warning). A failure of the tile model raises ``TileModelError`` naming the instruction.
 Not ready yet: models whose inputs have no static shape apart from the batch dimension.
 """
 
@@ -53,15 +64,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
+import copy
 import json
 import math
 import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 # ``python -m tf_ipu.estimate`` runs this module after the package imported it (for
@@ -74,15 +86,62 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from device_server.emulator.arch import get_target  # noqa: E402
+from device_server.emulator.errors import TileModelError  # noqa: E402
 from device_server.emulator.tiles.replication import replication as _replication  # noqa: E402
-from device_server.emulator.tiles.report import Estimate, estimate_module  # noqa: E402
+from device_server.emulator.tiles.report import (  # noqa: E402
+    MEMORY_MARGIN,
+    Estimate,
+    estimate_module,
+    verdict_text,
+)
 from device_server.protocol import ALL_REDUCE_TARGET, hardware  # noqa: E402
 from tf_ipu import report as _report  # noqa: E402,F401  (makes tf_ipu.report.save_html reachable)
 from tf_ipu.lowering.program import lower_function  # noqa: E402
 
-__all__ = ["Estimate", "Sweep", "TrainingEstimate", "estimate", "estimate_sweep", "main"]
+__all__ = ["MEMORY_MARGIN", "Estimate", "MaxBatchSize", "Sweep", "TileModelError", "TrainingEstimate",
+           "estimate", "estimate_sweep", "main", "max_batch_size"]
 
 _KIND_OF = {"arg": "argument", "var": "variable", "const": "constant"}
+
+# What ``max_batch_size`` keeps while it runs (``_lowerings``): a program is lowered once per
+# batch size (and pipeline), however many proportions and flags it is planned for, and planned
+# once per set of tile-model arguments (a flag that changes none of them costs nothing).
+_LOWERINGS: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
+    "tf_ipu_estimate_lowerings", default=None)
+
+
+@contextlib.contextmanager
+def _lowerings() -> Any:
+    """Within it, :func:`estimate` reuses the lowering of a (model, program, inputs, pipeline)
+    it has lowered before, the tile model's estimate of a lowered program with the same
+    arguments, and the weight update sized alone (the model must not change meanwhile)."""
+    token = _LOWERINGS.set({})
+    try:
+        yield
+    finally:
+        _LOWERINGS.reset(token)
+
+
+def _estimate_lowered(module: Any, target: Any, kinds: dict[int, str], implied: int,
+                      many: dict[str, Any]) -> Estimate:
+    """``estimate_module`` of a lowered program, or a copy of the one made before with the
+    same arguments within ``_lowerings``."""
+    kept = _LOWERINGS.get()
+    if kept is None:
+        return estimate_module(module, None, target, param_kinds=kinds,
+                               implied_all_reduce_bytes=implied, **many)
+    key = ("planned", id(module), repr(target), repr(sorted(kinds.items())), implied,
+           repr(sorted(many.items())))
+    if key not in kept:
+        kept[key] = estimate_module(module, None, target, param_kinds=kinds,
+                                    implied_all_reduce_bytes=implied, **many)
+    return copy.deepcopy(kept[key])
+
+
+def _lowering_key(model: Any, program: str, specs: Sequence[tf.TensorSpec],
+                  pipeline: dict[str, Any] | None) -> tuple[Any, ...]:
+    return (id(model), program, tuple((tuple(s.shape.as_list()), s.dtype.name) for s in specs),
+            json.dumps(pipeline, sort_keys=True, default=str))
 
 
 def _keras() -> Any:
@@ -254,11 +313,11 @@ def _size_weight_update(model: Any, target: Any, in_replica: Any, name: str) -> 
     for what, fn in (("weight update", update), ("gradient accumulation", accumulate)):
         try:
             est = _plan_alone(fn, specs, f"{name}/{what.replace(' ', '_')}", target)
-        except Exception as e:  # noqa: BLE001 - the estimate goes on without it, and says so
+        except TileModelError:
+            raise  # the tile model failed: never an arbitrary time to train
+        except Exception as e:  # noqa: BLE001 - not lowered alone: goes on without it, says so
             est, why = None, f"{type(e).__name__}: {e}"
-        else:
-            why = "; ".join(est.notes) if est.cycles == 0 else ""
-        if est is None or why:
+        if est is None:
             notes.append(f"the {what} could not be sized on its own ({why}): "
                          + ("it stays in every micro-batch's step" if what == "weight update"
                             else "not charged"))
@@ -274,7 +333,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
              gradient_accumulation_steps_per_replica: int = 1, dataset_size: int | None = None,
              epochs: float | None = None, steps: int | None = None,
              recomputation: bool | None = None,
-             available_memory_proportion: float | str | None = None) -> Estimate | TrainingEstimate:
+             available_memory_proportion: float | str | Mapping[str, float] | None = None,
+             ) -> Estimate | TrainingEstimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
 
     Args:
@@ -306,7 +366,9 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             ``set_pipeline_stage_assignment``, its options by ``set_pipelining_options``):
             whether its backward passes recompute forward activations (None:
             ``IPUConfig.allow_recompute`` of the configured system, else off). A pipelined
-            model is planned stage by stage on its IPUs (docs/tile_model.md, "Pipelines").
+            model is planned stage by stage on its IPUs (docs/tile_model.md, "Pipelines");
+            recomputation checkpoints bound a stage's liveness, and a model without a
+            pipeline remakes cheap element-wise results (docs/tile_model.md, "Recomputation").
         available_memory_proportion: PopLibs' ``availableMemoryProportion`` (0 .. 1, a float
             or its string) for the plans of every matmul and convolution: the share of a
             tile's memory their temporaries may use (lower: fewer temporaries, more cycles).
@@ -315,8 +377,10 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
 
     Returns:
         An :class:`Estimate`: ``.latency_s``, ``.throughput`` (items/s), ``.cycles``,
-        ``.peak_tile_bytes``, ``.fits`` (False when it would not fit: never raises for
-        that), ``.to_json()``, ``.save_html(path)``; with replicas, ``.all_reduce_cycles``,
+        ``.peak_tile_bytes``, ``.fits`` (the fullest tile at most its SRAM; False when it
+        would not fit: never raises for that), ``.within_margin`` and ``.margin_bytes`` (over
+        it by at most the tile model's 5% margin, which compile lets run with a warning),
+        ``.to_json()``, ``.save_html(path)``; with replicas, ``.all_reduce_cycles``,
         ``.all_reduce_share`` and the per-IPU figures of one replica. A training estimate
         with ``gradient_accumulation_steps_per_replica`` > 1, ``dataset_size`` or ``steps``
         is a :class:`TrainingEstimate` instead: the same figures per micro-batch with the
@@ -327,6 +391,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         ValueError: a bad ``batch_size``, accumulation count or training length (naming the
             value received), or replicas the system cannot run (more than its IPUs,
             ``ipu_ids`` not one per replica, IPUs of another version).
+        TileModelError: the tile model failed on the step (a limit or bug of the model),
+            naming the IR instruction it was planning and its Keras layer.
 
     Example:
         >>> model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
@@ -347,6 +413,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     many = {"replicas": replicas, "system": system, "ipu_ids": tuple(ipu_ids)}
     _replication(replicas, system, tuple(ipu_ids), target)  # checked before lowering
     many["memory_proportions"] = _memory_proportions(available_memory_proportion)
+    if recomputation:  # a program without a pipeline: allow_recompute's cheap remaking
+        many["recomputation"] = True
     x_specs = _input_specs(model, batch_size, input_spec)
     name = getattr(model, "name", "model")
     t0 = time.perf_counter()
@@ -383,14 +451,21 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             specs = x_specs
             program = f"{name}/predict[batch={batch_size}]"
         pipeline = _pipeline_of(model, recomputation)
-        if pipeline is None:
+        if pipeline is not None:
+            program = f"{program[:-1]}, stages={pipeline['stages']}]"
+        kept = _LOWERINGS.get()
+        key = _lowering_key(model, program, specs, pipeline)
+        lowered = kept.get(key) if kept is not None else None
+        if lowered is None and pipeline is None:
             lowered = lower_function(step, specs, program)
-        else:  # each layer call's ops tagged with its stage, as IPUStrategy lowers them
+        elif lowered is None:  # each layer call's ops tagged with its stage, as IPUStrategy does
             from tf_ipu import pipelining
 
-            program = f"{program[:-1]}, stages={pipeline['stages']}]"
             with pipelining.tagging(model, pipelining.stages_of(model)):
                 lowered = lower_function(step, specs, program, pipeline=pipeline)
+        if kept is not None:
+            kept[key] = lowered
+        if pipeline is not None:
             many.update(pipeline_stages=pipeline["stages"], stage_ipus=tuple(pipeline["stage_ipus"]),
                         ipus_per_replica=pipeline["ipus_per_replica"],
                         pipeline_schedule=pipeline["schedule"],
@@ -405,8 +480,7 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     if training and replicas > 1 and not _has_all_reduce(lowered.module):
         implied = _gradient_bytes(model)  # the cross-replica gradient sum of each step
     t1 = time.perf_counter()
-    report = estimate_module(lowered.module, None, target, param_kinds=kinds,
-                             implied_all_reduce_bytes=implied, **many)
+    report = _estimate_lowered(lowered.module, target, kinds, implied, many)
     plan_s = time.perf_counter() - t1
     report.items_per_call = batch_size
     report.context = {
@@ -441,8 +515,14 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     if not training or (accumulation == 1 and dataset_size is None and steps is None):
         return report
     t2 = time.perf_counter()
-    with scope():
-        update, accumulate, notes = _size_weight_update(model, target, in_replica, name)
+    kept = _LOWERINGS.get()
+    sized = kept.get(("update", id(model), repr(target))) if kept is not None else None
+    if sized is None:
+        with scope():
+            sized = _size_weight_update(model, target, in_replica, name)
+        if kept is not None:
+            kept[("update", id(model), repr(target))] = sized
+    update, accumulate, notes = sized[0], sized[1], list(sized[2])
     report.context["update_seconds"] = round(time.perf_counter() - t2, 3)
     optimizer = getattr(model, "optimizer", None)
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
@@ -455,11 +535,20 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         optimizer=type(optimizer).__name__ if optimizer is not None else "", notes=notes)
 
 
-def _memory_proportions(given: float | str | None) -> dict[str, float]:
+def _memory_proportions(given: float | str | Mapping[str, float] | None) -> dict[str, float]:
     """Opcode -> availableMemoryProportion of the plans: ``given`` for dot and convolution,
     else the configured ``IPUConfig``'s poplar_options (else none: the preset's)."""
     from tf_ipu import config, runtime
 
+    if isinstance(given, Mapping):  # per kind of product, as Poplar's options are set
+        ops = {"matmul": "dot", "matmuls": "dot", "dot": "dot", "convolution": "convolution",
+               "convolutions": "convolution"}
+        unknown = sorted(set(given) - set(ops))
+        if unknown:
+            raise ValueError(f"tf_ipu.estimate: available_memory_proportion keys are 'matmul' and "
+                             f"'convolution'. Received: {dict(given)!r}")
+        return {ops[k]: config._memory_proportion(
+            f"tf_ipu.estimate: available_memory_proportion[{k!r}]", v) for k, v in given.items()}
     if given is not None:
         amp = config._memory_proportion("tf_ipu.estimate: available_memory_proportion", given)
         return {"dot": amp, "convolution": amp}
@@ -655,8 +744,22 @@ class TrainingEstimate:
         return self._peak()[0]
 
     @property
-    def fits(self) -> bool:
+    def fits(self) -> bool | None:
+        """The fullest tile, with the accumulators, at most its SRAM (None: unknown)."""
+        if self.step.fits is None:
+            return None
         return self.peak_tile_bytes <= self.step.tile_bytes_limit
+
+    @property
+    def within_margin(self) -> bool:
+        """Over the tile's SRAM, with the accumulators, by at most the tile model's margin."""
+        return self.fits is False and \
+            self.peak_tile_bytes <= self.step.tile_bytes_limit + self.step.margin_bytes
+
+    @property
+    def refused(self) -> bool:
+        """Over by more than the margin: compile would refuse it."""
+        return self.fits is False and not self.within_margin
 
     # -- time to train -----------------------------------------------------------------------
     def updates(self, dataset_size: int | None = None, epochs: float | None = None,
@@ -741,7 +844,7 @@ class TrainingEstimate:
                 f"{self.all_reduce_share:.1%} of it); peak tile {self.peak_tile} "
                 f"{self.peak_tile_bytes:,} B of {s.tile_bytes_limit:,} B"
                 + (" with the accumulators" if self.accumulating else "")
-                + ("" if self.fits else " (DOES NOT FIT)"))
+                + verdict_text(self))
         if self.updates() is not None:
             t = self.time_to_train_s or 0.0
             line += f"; {self.updates():,} weight updates: {_fmt_duration(t)}"
@@ -764,7 +867,7 @@ class TrainingEstimate:
             "cycles": self.cycles, "seconds": self.seconds, "throughput": self.throughput,
             "all_reduce_share": self.all_reduce_share, "effective_batch": self.effective_batch,
             "peak_tile": self.peak_tile, "peak_tile_bytes": self.peak_tile_bytes, "fits": self.fits,
-            "precision": self.precision, "optimizer": self.optimizer,
+            "within_margin": self.within_margin, "precision": self.precision, "optimizer": self.optimizer,
             "dataset_size": self.dataset_size, "epochs": self.epochs, "steps": self.steps,
             "updates": self.updates(), "time_to_train_s": self.time_to_train_s,
             "summary": self.summary(),
@@ -828,6 +931,9 @@ def estimate_sweep(model: Any, batch_sizes: Sequence[int], training: bool = Fals
     estimate is a :class:`TrainingEstimate` and each point has its ``effective_batch``, its
     throughput and all-reduce share with the weight update amortized over N.
 
+    Raises:
+        TileModelError: the tile model failed at one of the batch sizes (as :func:`estimate`).
+
     Example:
         >>> sweep = tf_ipu.estimate_sweep(model, [1, 2, 4, 8, 16])
         >>> [(p["batch_size"], p["latency_s"], p["throughput"]) for p in sweep.points]
@@ -842,7 +948,8 @@ def estimate_sweep(model: Any, batch_sizes: Sequence[int], training: bool = Fals
     points = []
     for e in estimates:
         pt = {"batch_size": e.items_per_call, "latency_s": e.latency_s, "throughput": e.throughput,
-              "fits": e.fits, "peak_tile_bytes": e.peak_tile_bytes, "cycles": e.cycles,
+              "fits": e.fits, "within_margin": e.within_margin,
+              "peak_tile_bytes": e.peak_tile_bytes, "cycles": e.cycles,
               "replicas": e.replicas, "all_reduce_share": e.all_reduce_share}
         if isinstance(e, TrainingEstimate):
             pt.update(gradient_accumulation_steps_per_replica=e.gradient_accumulation_steps_per_replica,
@@ -853,6 +960,235 @@ def estimate_sweep(model: Any, batch_sizes: Sequence[int], training: bool = Fals
     for e in estimates:
         (e.step if isinstance(e, TrainingEstimate) else e).sweep = points
     return Sweep(estimates, points)
+
+
+# ------------------------------------------------------------------- largest micro-batch
+
+#: The proportions of ``max_batch_size``'s table (PopLibs' availableMemoryProportion).
+MAX_BATCH_PROPORTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+#: Where the search stops by default: a micro-batch of 4096 that still fits is reported as
+#: ">= 4096" (``capped``), not searched further.
+MAX_BATCH_LIMIT = 4096
+# Options of ``estimate`` that change the time to train but not memory: left out of the search.
+_LENGTH_OPTIONS = ("dataset_size", "epochs", "steps")
+
+
+@dataclass
+class MaxBatchSize:
+    """The largest micro-batch that fits (``max_batch_size``): the fullest tile at most its SRAM.
+
+    Attributes:
+        batch_size: the answer for the options given (0: not even a micro-batch of 1 fits).
+        capped: True when ``limit`` itself fits (the answer is then ``limit``, a lower bound).
+        limit: where the search stopped.
+        training: a training step (else inference).
+        ipu_version: the preset.
+        options: the :func:`estimate` options given (besides batch size, training, version).
+        table: one cell per (recomputation, availableMemoryProportion): dicts with
+            ``recomputation``, ``available_memory_proportion``, ``batch_size``, ``capped``.
+        probes: the answer's search, in order: ``batch_size``, ``fits``, ``within_margin``,
+            ``peak_tile_bytes``, ``tile_bytes_limit``.
+        estimate: the estimate at the answer (at batch 1 when the answer is 0), its HTML
+            report carrying the table.
+        estimates: how many verdicts the search asked for (all cells).
+        plans: how many of them the tile model planned (the others had the same arguments
+            as one before: recomputation where it changes nothing, for one).
+        seconds: the time the search took.
+    """
+
+    batch_size: int
+    capped: bool
+    limit: int
+    training: bool
+    ipu_version: str
+    options: dict[str, Any] = field(default_factory=dict)
+    table: list[dict[str, Any]] = field(default_factory=list)
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    estimate: Estimate | TrainingEstimate | None = None
+    estimates: int = 0
+    plans: int = 0
+    seconds: float = 0.0
+
+    def cell(self, recomputation: bool, available_memory_proportion: float) -> int:
+        """The table's largest micro-batch for ``recomputation`` and that proportion.
+
+        Raises:
+            KeyError: a cell the table does not have (naming it).
+        """
+        for c in self.table:
+            if c["recomputation"] == bool(recomputation) and \
+                    math.isclose(c["available_memory_proportion"], float(available_memory_proportion)):
+                return int(c["batch_size"])
+        raise KeyError(f"max_batch_size's table has no cell for recomputation={recomputation!r}, "
+                       f"available_memory_proportion={available_memory_proportion!r}; it has "
+                       f"{sorted({c['available_memory_proportion'] for c in self.table})}")
+
+    def options_text(self) -> str:
+        """The options given, as ``key=value, ...`` ("defaults" without any)."""
+        return ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items())) or "defaults"
+
+    def summary(self) -> str:
+        """One line: the answer, with its limit and where it came from."""
+        what = "training" if self.training else "inference"
+        n = f">= {self.batch_size:,} (the search's cap)" if self.capped else f"{self.batch_size:,}"
+        return (f"largest {what} micro-batch that fits on {self.ipu_version} ({self.options_text()}): "
+                f"{n}; {self.estimates} estimates ({self.plans} planned) in {self.seconds:.1f} s")
+
+    def table_text(self) -> str:
+        """The table as text: a row per availableMemoryProportion, recomputation off and on."""
+        amps = sorted({float(c["available_memory_proportion"]) for c in self.table})
+        by = {(float(c["available_memory_proportion"]), bool(c["recomputation"])): c for c in self.table}
+
+        def cell(c: dict[str, Any] | None) -> str:
+            if c is None:
+                return "-"
+            return f">={c['batch_size']}" if c.get("capped") else str(c["batch_size"])
+
+        lines = [f"{'availableMemoryProportion':>26}  {'recomputation off':>17}  {'recomputation on':>16}"]
+        lines += [f"{a:>26g}  {cell(by.get((a, False))):>17}  {cell(by.get((a, True))):>16}" for a in amps]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able), without the estimate (its report carries this as
+        ``max_batch``)."""
+        return {"batch_size": self.batch_size, "capped": self.capped, "limit": self.limit,
+                "training": self.training, "ipu_version": self.ipu_version,
+                "options": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                            for k, v in self.options.items()},
+                "options_text": self.options_text(), "table": list(self.table),
+                "probes": list(self.probes), "estimates": self.estimates, "plans": self.plans,
+                "seconds": round(self.seconds, 3), "memory_margin": MEMORY_MARGIN}
+
+    def save_html(self, path: str) -> str:
+        """The report of the estimate at the answer, with the table; returns the path."""
+        if self.estimate is None:
+            raise ValueError("max_batch_size made no estimate to report.")
+        return self.estimate.save_html(path)
+
+    def __repr__(self) -> str:
+        return f"<MaxBatchSize {self.summary()}>"
+
+
+def _largest(fits: Callable[[int], bool], limit: int) -> tuple[int, bool]:
+    """The largest n in 1 .. ``limit`` with ``fits(n)`` (0: none) as the search finds it: n = 1,
+    2, 4, ... (``limit`` last) until one does not fit, then bisection between the last that
+    fits and the first that does not; and whether ``limit`` itself fits. The answer fits and
+    the next does not; a larger n may fit again where the planner changes plans (memory is not
+    always monotone in the batch), which the search does not look for."""
+    lo, n = 0, 1
+    while True:
+        n = min(n, limit)
+        if not fits(n):
+            hi = n
+            break
+        lo = n
+        if n == limit:
+            return limit, True
+        n *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, False
+
+
+def max_batch_size(model: Any, training: bool = False, ipu_version: str = "ipu2",
+                   tiles_per_ipu: int = 0, *, limit: int = MAX_BATCH_LIMIT, table: bool = True,
+                   **estimate_options: Any) -> MaxBatchSize:
+    """The largest micro-batch of ``model`` that fits an IPU (its fullest tile at most its
+    SRAM: ``Estimate.fits``; the tile model's margin does not count), by :func:`estimate`.
+
+    The answer, for the options given: micro-batches 1, 2, 4, ... up to ``limit`` until one
+    does not fit, then bisection between the last that fits and the first that does not: the
+    answer fits and the next does not. (Memory is not always monotone in the batch: where
+    the planner changes a product's split, a larger batch may fit again; the search does not
+    look past the first power of two that does not fit.) The table is the same search for
+    recomputation off and on (``recomputation=``) and each availableMemoryProportion of 0.1 ..
+    0.6 (``available_memory_proportion=``). A program is lowered once per batch size, and
+    planned once per set of tile-model arguments: a flag that changes nothing of what the tile
+    model is given (recomputation, where :func:`estimate` does not apply it) costs nothing. Each
+    other estimate plans the program again, seconds for a large model; ``table=False`` skips
+    the table's 12 searches.
+
+    Args:
+        model: a built Keras model (see :func:`estimate`; compiled for ``training``).
+        training: size a training step (else inference).
+        ipu_version: "ipu1", "ipu2" or "bow".
+        tiles_per_ipu: use that many tiles (0: all of the chip's).
+        limit: the largest micro-batch tried (4096 by default); if it fits, the answer is
+            ``limit`` with ``capped`` True.
+        table: also compute the table (12 searches).
+        **estimate_options: any other option of :func:`estimate` (``replicas``, ``system``,
+            ``gradient_accumulation_steps_per_replica``, ``recomputation``,
+            ``available_memory_proportion``, ``input_spec``, ...); the training's length
+            (``dataset_size``, ``epochs``, ``steps``) changes no memory and is ignored.
+
+    Returns:
+        A :class:`MaxBatchSize`: ``.batch_size``, ``.table``, ``.cell(recomputation,
+        proportion)``, ``.table_text()``, ``.estimate`` (at the answer; its HTML report shows
+        the table), ``.save_html(path)``.
+
+    Raises:
+        ValueError: a bad ``limit``, or what :func:`estimate` refuses.
+        TileModelError: the tile model failed on one of the programs.
+
+    Example:
+        >>> m = tf_ipu.max_batch_size(model, training=True, ipu_version="bow")
+        >>> m.batch_size, m.cell(recomputation=True, available_memory_proportion=0.2)
+        >>> print(m.table_text())
+    """
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(f"limit must be a positive int (the largest micro-batch tried). "
+                         f"Received: limit={limit!r}")
+    for k in ("batch_size", "batch_sizes"):
+        if k in estimate_options:
+            raise ValueError(f"max_batch_size searches the batch size: do not pass {k}. "
+                             f"Received: {k}={estimate_options[k]!r}")
+    options = {k: v for k, v in estimate_options.items() if k not in _LENGTH_OPTIONS}
+    t0 = time.perf_counter()
+    made: dict[tuple[int, Any, Any], Estimate | TrainingEstimate] = {}
+    verdicts: dict[tuple[int, Any, Any], bool] = {}
+
+    def fits_with(recomputation: Any, proportion: Any, keep: bool = False) -> Callable[[int], bool]:
+        def fits(n: int) -> bool:
+            key = (n, recomputation, proportion)
+            if key not in verdicts:
+                est = estimate(model, n, training, ipu_version, tiles_per_ipu,
+                               **{**options, "recomputation": recomputation,
+                                  "available_memory_proportion": proportion})
+                verdicts[key] = bool(est.fits)
+                if keep:
+                    made[key] = est
+                    probes.append({"batch_size": n, "fits": bool(est.fits),
+                                   "within_margin": bool(est.within_margin),
+                                   "peak_tile_bytes": int(est.peak_tile_bytes),
+                                   "tile_bytes_limit": int(getattr(est, "step", est).tile_bytes_limit)})
+            return verdicts[key]
+        return fits
+
+    probes: list[dict[str, Any]] = []
+    given = (options.get("recomputation"), options.get("available_memory_proportion"))
+    cells: list[dict[str, Any]] = []
+    with _lowerings():
+        kept = _LOWERINGS.get()
+        answer, capped = _largest(fits_with(*given, keep=True), limit)
+        if table:
+            for recomputation in (False, True):
+                for amp in MAX_BATCH_PROPORTIONS:
+                    n, cap = _largest(fits_with(recomputation, amp), limit)
+                    cells.append({"recomputation": recomputation, "available_memory_proportion": amp,
+                                  "batch_size": n, "capped": cap})
+    at = made.get((max(answer, 1), *given))
+    result = MaxBatchSize(
+        batch_size=answer, capped=capped, limit=limit, training=bool(training),
+        ipu_version=ipu_version, options=dict(options), table=cells, probes=probes, estimate=at,
+        estimates=len(verdicts), plans=sum(1 for k in (kept or {}) if k[0] == "planned"),
+        seconds=time.perf_counter() - t0)
+    if at is not None:
+        getattr(at, "step", at).max_batch = result.to_dict()
+    return result
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -881,17 +1217,31 @@ def build_model(name: str, precision: str = "fp32") -> Any:
 
 
 def _calibration() -> int:
-    """``--calibration``: bench/calibration/fit.py's table, from a source checkout."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "bench" / "calibration" / "fit.py").exists():
-        print("--calibration reads bench/calibration/ of the project's source tree, which this "
-              f"installation ({root}) does not have.", file=sys.stderr)
-        return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from bench.calibration import fit
+    """``--calibration``: the tile model's calibration as the package's data file holds it
+    (device_server/emulator/calibration.json, written by bench/calibration/fit.py)."""
+    from device_server.emulator import calibration
 
-    fit.report(fit.calibrate())
+    print(calibration.table())
+    return 0
+
+
+def _print_max_batch(model: Any, args: argparse.Namespace, many: dict[str, Any]) -> int:
+    """``--max-batch-size``: the answer, its search and the table (and the HTML/JSON report of
+    the estimate at the answer)."""
+    defaults = {"replicas": 1, "system": None, "gradient_accumulation_steps_per_replica": 1}
+    options = {k: v for k, v in many.items() if k not in _LENGTH_OPTIONS and defaults.get(k, ...) != v}
+    m = max_batch_size(model, args.training, args.ipu_version, args.tiles_per_ipu,
+                       limit=args.max_batch_limit, **options)
+    print(m.summary())
+    print("  search: " + ", ".join(f"{p['batch_size']} {'fits' if p['fits'] else 'no'}"
+                                   for p in m.probes))
+    print(m.table_text())
+    if args.html and m.estimate is not None:
+        print(f"HTML report: {m.save_html(args.html)}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(m.to_dict(), f, indent=1)
+        print(f"JSON: {args.json}")
     return 0
 
 
@@ -919,9 +1269,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="", help="batch sizes to sweep, e.g. 1,2,4,8")
     p.add_argument("--html", default="", help="write the HTML report here")
     p.add_argument("--json", default="", help="write the JSON report here")
+    p.add_argument("--max-batch-size", action="store_true",
+                   help="print the largest micro-batch that fits, and its table for "
+                        "recomputation off/on and availableMemoryProportion 0.1 .. 0.6")
+    p.add_argument("--max-batch-limit", type=int, default=MAX_BATCH_LIMIT, metavar="N",
+                   help=f"--max-batch-size: the largest micro-batch tried (default {MAX_BATCH_LIMIT})")
     p.add_argument("--calibration", action="store_true",
-                   help="print the tile model's calibration (each published point: measured, "
-                        "estimated, ratio, held out or fitted; per class its held-out error)")
+                   help="print the tile model's calibration (its fitted figures, per class the "
+                        "held-out error; the end-to-end fit beside one constant on all cycles)")
     args = p.parse_args(argv)
     if args.calibration:
         return _calibration()
@@ -935,6 +1290,8 @@ def main(argv: list[str] | None = None) -> int:
                     epochs=None if args.epochs is None else
                     int(args.epochs) if float(args.epochs).is_integer() else args.epochs)
     try:
+        if args.max_batch_size:
+            return _print_max_batch(model, args, many)
         if args.sweep:
             sizes = [int(s) for s in args.sweep.split(",") if s.strip()]
             sweep = estimate_sweep(model, sorted({*sizes, args.batch_size}), args.training,
@@ -948,6 +1305,9 @@ def main(argv: list[str] | None = None) -> int:
                               args.tiles_per_ipu, **many)
     except ValueError as e:
         p.error(str(e))
+    except TileModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(report.summary())
     step = report.step if isinstance(report, TrainingEstimate) else report
     from device_server.emulator import calibration

@@ -185,6 +185,7 @@ def suggest_pipeline(model: Any, ipus: int, batch_size: int = 1, ipu_version: st
     Raises:
         ValueError: fewer IPUs than 1, more IPUs than layer calls, or no split that fits
             (naming the largest layer and the budget).
+        TileModelError: the tile model failed on the model (from ``tf_ipu.estimate``).
     """
     from device_server.emulator.arch import get_target
     from tf_ipu.estimate import estimate

@@ -96,7 +96,7 @@ class CompileReport:
     peak_tile_bytes: int
     tile_bytes_limit: int
     total_bytes: int
-    fits: bool
+    fits: bool | None  # peak <= SRAM; None: unknown (the tile model failed, details["failure"])
     cache_hit: bool
     compile_seconds: float
     details: dict[str, Any] = field(default_factory=dict)
@@ -124,9 +124,21 @@ class CompileReport:
             f"{replicated}: "
             f"est. {self.cycles:,} cycles = {self.seconds * 1e3:.3f} ms per device call; "
             f"peak tile memory {self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
-            f"{'' if self.fits else ' (DOES NOT FIT)'}; total {self.total_bytes:,} B"
+            f"{self._verdict()}; total {self.total_bytes:,} B"
             + (f"; data path: {self.data_path}" if self.data_path else "")
         )
+
+    def _verdict(self) -> str:
+        """"", " (DOES NOT FIT)", its margin, or " (FIT UNKNOWN: ...)"."""
+        if self.fits is None:
+            return f" (FIT UNKNOWN: {self.details.get('failure') or 'the tile model failed'})"
+        if self.fits:
+            return ""
+        if self.details.get("within_margin"):
+            return (f" (DOES NOT FIT: {self.peak_tile_bytes - self.tile_bytes_limit:,} B over, "
+                    f"within the tile model's margin of {self.details.get('margin_bytes', 0):,} B: "
+                    "it runs)")
+        return " (DOES NOT FIT)"
 
     def save_html(self, path: str) -> str:
         """Writes the emulator's full report (``details``) as a self-contained HTML page."""
@@ -479,6 +491,7 @@ class DeviceRuntime:
                 refuse_opcodes=tuple(cfg.debug.refuse_opcodes) if cfg else (),
                 fault_inject_opcode=cfg.debug.fault_inject_opcode if cfg else "",
                 allow_out_of_memory=cfg.debug.allow_out_of_memory if cfg else False,
+                recomputation=bool(getattr(cfg, "allow_recompute", False)),
                 **(cfg.compile_numerics() if cfg else {}),
                 replicas=entry.replicas,
                 pipeline=entry.pipeline,
@@ -492,7 +505,10 @@ class DeviceRuntime:
         entry.reported_for = self._config_key
         report = self._report_of(entry, compiled.compile_seconds)
         self.reports.append(report)
-        _log.info("tf_ipu: compiled %s", report.summary())
+        if report.fits is None or report.details.get("within_margin"):  # it runs; say so
+            _log.warning("tf_ipu: compiled %s", report.summary())
+        else:
+            _log.info("tf_ipu: compiled %s", report.summary())
 
     def _report_of(self, entry: ProgramEntry, compile_seconds: float = 0.0) -> CompileReport:
         est = entry.estimate
@@ -512,7 +528,7 @@ class DeviceRuntime:
             peak_tile_bytes=int(est.peak_tile_bytes),
             tile_bytes_limit=int(est.tile_bytes_limit),
             total_bytes=int(est.total_bytes),
-            fits=bool(est.fits),
+            fits=None if est.fits is None else bool(est.fits),
             cache_hit=entry.cache_hit,
             compile_seconds=compile_seconds,
             details=details,

@@ -39,6 +39,7 @@ import dataclasses
 import importlib
 import importlib.util
 import keyword
+import logging
 import math
 import re
 import threading
@@ -93,6 +94,8 @@ _SAFE_WORDS = frozenset(keyword.kwlist) | {"run", "args", "e", "x", "Exception",
 _GENERATED = re.compile(r"(p|v|u|k|s)[0-9]+|g[0-9]+_[A-Za-z0-9_]+|[0-9][A-Za-z0-9_]*")
 
 __all__ = ["CompileOptions", "Executable", "compile_module", "executable_from_record", "literal_to_value"]
+
+_log = logging.getLogger(__name__)
 
 # Kernel modules. The spatial ones (conv, window, indexing) are written separately and may be
 # absent from a checkout; the rest are required.
@@ -1799,9 +1802,15 @@ def compile_module(
     Raises :class:`UnsupportedOpError` for an opcode without a kernel, refused by
     ``options.refuse_opcodes`` or a ``custom-call`` whose target has no registered kernel
     (``kernels.CUSTOM_CALLS``); :class:`InvalidProgramError` for a
-    malformed module; :class:`OutOfMemoryError` when the estimate does not fit the tiles'
-    memory (unless ``options.allow_out_of_memory``); ``ValueError`` for a bad
-    numerics option (``partials_type``).
+    malformed module; :class:`OutOfMemoryError` when the estimate's fullest tile is over its
+    memory by more than the tile model's margin (``tiles.report.MEMORY_MARGIN``; unless
+    ``options.allow_out_of_memory``); ``ValueError`` for a bad numerics option
+    (``partials_type``).
+
+    Over capacity within the margin, it compiles with a warning (logged, and in the
+    estimate's notes) naming the fullest tile and the bytes over. A failure of the tile model
+    never stops the compile: the estimate's fit is then unknown (``fits`` None, no figures)
+    and a warning names the instruction it failed on.
     """
     options = _checked_options(options)
     compiler, program = _build_program(module, target, options)
@@ -1814,9 +1823,14 @@ def compile_module(
                           micro_batches=options.micro_batches, recomputation=options.recomputation,
                           optimizer_state_offload=options.optimizer_state_offload,
                           optimizer_state_sharding=options.optimizer_state_sharding,
-                          memory_proportions=options.memory_proportions())
-    if not est.fits and not options.allow_out_of_memory:
+                          memory_proportions=options.memory_proportions(),
+                          on_failure="report")
+    if est.refused and not options.allow_out_of_memory:
         raise OutOfMemoryError(est.oom_message())
+    if est.fits is None:  # estimate_module logged the traceback; this says what it means here
+        _log.warning("compiling %r with its fit unknown: %s", module.name, est.failure)
+    elif est.within_margin:
+        _log.warning("%s", est.margin_message())
     count = sum(len(v) for v in compiler.live.values())
     return Executable(
         module, target, options, program, sig.parameters, sig.param_names, sig.outputs,
@@ -1862,7 +1876,7 @@ def executable_from_record(
     if (est.ipu_version, est.tiles_per_ipu) != (target.ipu_version, target.tiles_per_ipu):
         raise ValueError(f"its estimate is for {est.ipu_version} with {est.tiles_per_ipu} tiles, "
                          f"not {target.ipu_version} with {target.tiles_per_ipu}")
-    if not est.fits and not options.allow_out_of_memory:
+    if est.refused and not options.allow_out_of_memory:
         raise ValueError("its estimate does not fit, and the options do not allow that")
 
     def build() -> Program:

@@ -16,6 +16,7 @@ __all__ = [
     "FloatingPointExceptionError",
     "InvalidProgramError",
     "OutOfMemoryError",
+    "TileModelError",
     "UnsupportedOpError",
     "describe",
     "layer_of",
@@ -33,6 +34,30 @@ class UnsupportedOpError(EmulatorError):
 
 class OutOfMemoryError(EmulatorError):
     """The program does not fit the target's tile memory (compile time, like Poplar)."""
+
+
+class TileModelError(EmulatorError):
+    """The tile model (``device_server/emulator/tiles/``) failed while estimating a program: a
+    bug of the model, or an IR shape it does not handle. Nothing was counted, so there is no
+    verdict and no figure. The message names the program and the IR instruction being planned
+    (name, opcode, framework op, Keras layer); the original exception is chained
+    (``__cause__``). ``tf_ipu.estimate`` raises it; ``compile_module`` compiles anyway, with the
+    fit unknown (``Estimate.fits`` None) and a warning.
+
+    Attributes:
+        program: the module's name.
+        instruction: the IR instruction being planned ("" if the failure came outside one).
+        opcode: its opcode ("" likewise).
+        layer: its Keras layer, where its ``source_op`` names one (else "").
+    """
+
+    def __init__(self, message: str, program: str = "", instruction: str = "", opcode: str = "",
+                 layer: str = "") -> None:
+        super().__init__(message)
+        self.program = program
+        self.instruction = instruction
+        self.opcode = opcode
+        self.layer = layer
 
 
 class ExecutionError(EmulatorError):

@@ -97,7 +97,7 @@ class OnnxModel:
                 name=f"onnx:{self.name}", digest=digest, ipu_version=names.get(e.ipu_version, e.ipu_version),
                 tiles_per_ipu=e.tiles_per_ipu, cycles=int(e.cycles), seconds=float(e.seconds),
                 peak_tile_bytes=int(e.peak_tile_bytes), tile_bytes_limit=int(e.tile_bytes_limit),
-                total_bytes=int(e.total_bytes), fits=bool(e.fits), cache_hit=self._compiled.cache_hit,
+                total_bytes=int(e.total_bytes), fits=None if e.fits is None else bool(e.fits), cache_hit=self._compiled.cache_hit,
                 compile_seconds=float(self._compiled.compile_seconds), details=details,
                 data_path=self._session.client.data.describe())
         return self._estimate

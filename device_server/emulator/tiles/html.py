@@ -8,8 +8,10 @@ across the chip by category (stacked, every tile), the fullest tile's largest co
 top operations by cycles (with their Keras layer), cycles by layer, the BSP timeline
 (compute / sync / exchange of each superstep, loops marked; IPU-Links for the all-reduces
 and replica syncs of a replicated program), the replicas with their ring and host link, the
-batch-size sweep when the report carries one (``report["sweep"]``), and the assumptions and
-preset figures behind it all.
+batch-size sweep when the report carries one (``report["sweep"]``), the largest micro-batch
+per option (``report["max_batch"]``, from ``tf_ipu.max_batch_size``), and the assumptions
+and preset figures behind it all. The verdict says whether the fullest tile fits, is over
+within the tile model's margin, is refused, or is unknown (the tile model failed).
 The page is well-formed XML, so tests can parse it with ``xml.etree``.
 """
 
@@ -349,6 +351,35 @@ def _sweep(report: dict[str, Any]) -> str:
             + _table(["batch size", "latency", "items/s", "peak tile bytes", "fits"], rows))
 
 
+def _max_batch(report: dict[str, Any]) -> str:
+    """``tf_ipu.max_batch_size``'s table: the largest micro-batch that fits (peak <= SRAM) for
+    each availableMemoryProportion (rows) with recomputation off and on (columns)."""
+    mb = report.get("max_batch") or {}
+    table = mb.get("table") or []
+    if not mb:
+        return ("<p>Not computed for this report (<code>tf_ipu.max_batch_size(model, ...)"
+                "</code> makes it; <code>python -m tf_ipu.estimate --max-batch-size</code>).</p>")
+    limit = int(mb.get("limit") or 0)
+
+    def cell(c: dict[str, Any] | None) -> str:
+        if c is None:
+            return ""
+        n = int(c["batch_size"])
+        return f">= {n:,} (the cap)" if c.get("capped") else f"{n:,}"
+
+    amps = sorted({float(c["available_memory_proportion"]) for c in table})
+    by = {(float(c["available_memory_proportion"]), bool(c["recomputation"])): c for c in table}
+    rows = [(f"{a:g}", cell(by.get((a, False))), cell(by.get((a, True)))) for a in amps]
+    answer = int(mb.get("batch_size", 0))
+    head = (f"<p>Largest micro-batch that fits (fullest tile at most its SRAM; 0: not even 1): "
+            f"<b>{answer:,}</b>{' (the search cap)' if mb.get('capped') else ''} with the "
+            f"options given ({_e(mb.get('options_text', ''))}). Powers of two up to the cap of "
+            f"{limit:,}, then bisection between the last that fits and the first that does not; "
+            f"{int(mb.get('estimates', 0)):,} estimates ({int(mb.get('plans', 0)):,} planned) in "
+            f"{float(mb.get('seconds', 0)):.1f} s.</p>")
+    return head + _table(["availableMemoryProportion", "recomputation off", "recomputation on"], rows)
+
+
 # ------------------------------------------------------------------------------ page
 
 
@@ -380,7 +411,7 @@ def render_html(report: dict[str, Any]) -> str:
     r = report
     ctx = r.get("context") or {}
     title = ctx.get("model") or r.get("program") or "program"
-    fits = bool(r.get("fits"))
+    fits = r.get("fits")
     clock = float(r.get("clock_hz") or 1.0)
     seconds = float(r.get("seconds") or 0.0)
     items = int(r.get("items_per_call") or 0)
@@ -449,9 +480,19 @@ def render_html(report: dict[str, Any]) -> str:
             ("host link", f"{link.get('kind', '')}: {link.get('replicas', 1)} replica(s) on it, "
                           f"{float(link.get('bytes_per_s', 0)) / 1e9:,.1f} GB/s each way"),
         ]
-    verdict = ('<span class="ok">fits</span>' if fits else
-               '<span class="bad">DOES NOT FIT</span> (out of memory on tile '
-               f'{_e(r.get("peak_tile"))})')
+    over = int(r.get("peak_tile_bytes", 0)) - int(r.get("tile_bytes_limit", 0))
+    if fits is None:
+        verdict = ('<span class="bad">FIT UNKNOWN</span>: the tile model failed, and nothing was '
+                   f'counted ({_e(r.get("failure", ""))})')
+    elif fits:
+        verdict = '<span class="ok">fits</span>'
+    elif r.get("within_margin"):
+        verdict = ('<span class="bad">DOES NOT FIT</span>, within the tile model\'s margin: tile '
+                   f'{_e(r.get("peak_tile"))} is {over:,} B over (the margin allows '
+                   f'{int(r.get("margin_bytes", 0)):,} B); it compiles and runs with a warning')
+    else:
+        verdict = ('<span class="bad">DOES NOT FIT</span> (out of memory on tile '
+                   f'{_e(r.get("peak_tile"))})')
     kv = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in summary)
     contributors = r.get("contributors") or []
     contrib_rows = [(c["name"], c.get("opcode", ""), c.get("layer", ""), c["kind"], f"{c['bytes']:,}",
@@ -507,6 +548,8 @@ def render_html(report: dict[str, Any]) -> str:
         _timeline(r),
         "<h2>Batch-size sweep</h2>",
         _sweep(r),
+        "<h2>Largest micro-batch</h2>",
+        _max_batch(r),
         "<h2>Assumptions</h2>", f"<ul>{assumptions}</ul>",
     ]
     if notes:

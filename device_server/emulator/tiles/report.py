@@ -3,6 +3,7 @@
     plan_module (planner.py) + profile_memory (memory.py) --> Estimate
       .cycles / .seconds / .latency_s / .throughput      per call (one step, or N in a loop)
       .peak_tile_bytes / .tile_bytes_limit / .fits        the fullest tile against its SRAM
+      .within_margin / .margin_bytes / .refused           over it, within MEMORY_MARGIN or not
       .to_dict() / .to_json() / .save_html(path)          the report (html.py renders it)
       .oom_message()                                       Poplar's out-of-memory message
 
@@ -17,6 +18,14 @@ with its all-reduces over the IPU-Links (``all_reduce_cycles``), the replicas' s
 
     cycles = device_cycles + all_reduce_cycles + replica_sync_cycles + host_cycles
     throughput = replicas x items_per_call / seconds   (items_per_call: per replica)
+
+Verdicts (docs/tile_model.md, "Memory per tile"): ``fits`` is ``peak_tile_bytes <=
+tile_bytes_limit``, nothing else. Over it by at most ``MEMORY_MARGIN`` of the tile
+(``margin_bytes``) is ``within_margin``: compile goes on with a warning, as the model's error
+may be that large; beyond it the program is ``refused`` (OutOfMemoryError at compile). When
+the tile model itself fails, ``estimate_module`` raises :class:`TileModelError` naming the
+instruction, or (``on_failure="report"``, as compile asks) returns an estimate whose ``fits``
+is None, with no figures and the failure in ``failure`` and ``notes``.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import numpy as np
 
 from device_server.emulator import calibration
 from device_server.emulator.arch import Target
+from device_server.emulator.errors import TileModelError, describe, layer_of
 from device_server.emulator.tiles import cycles as cyc
 from device_server.emulator.tiles.irinfo import stage_of
 from device_server.emulator.tiles.mapping import TileMapping
@@ -46,10 +56,13 @@ from device_server.emulator.tiles.pipeline import (
     PIPELINE_ASSUMPTIONS,
     Placement,
     estimate_pipeline,
+    phases,
     placement,
+    recomputed_instructions,
 )
 from device_server.emulator.tiles.plan import ModulePlan, Step
 from device_server.emulator.tiles.planner import plan_module
+from device_server.emulator.tiles.recompute import Recomputation, again_cycles, checkpoint_makers
 from device_server.emulator.tiles.replication import (
     GCL_STEP_OVERHEAD_S,
     host_link_load,
@@ -58,7 +71,14 @@ from device_server.emulator.tiles.replication import (
 from device_server.emulator.tiles.state import LiveFn
 from device_server.protocol import ir_pb2
 
-__all__ = ["ASSUMPTIONS", "Estimate", "estimate_module", "estimate_plan"]
+__all__ = ["ASSUMPTIONS", "MEMORY_MARGIN", "Estimate", "TileModelError", "estimate_module",
+           "estimate_plan"]
+
+#: The one margin allowed for the tile model's error in memory, as a share of a tile's SRAM,
+#: declared before the verdicts were scored (docs/tile_model.md, "Memory per tile"): a program
+#: whose fullest tile is over its SRAM by at most this much still compiles and runs, with a
+#: warning; it does not *fit* (``Estimate.fits`` is False, ``within_margin`` True).
+MEMORY_MARGIN = 0.05
 
 ASSUMPTIONS = (
     "BSP: every superstep is exchange, sync, compute; each phase costs as much as its slowest tile",
@@ -118,7 +138,8 @@ class Estimate:
     peak_tile_bytes: int
     tile_bytes_limit: int
     total_bytes: int
-    fits: bool
+    # peak_tile_bytes <= tile_bytes_limit; None: unknown (the tile model failed: ``failure``).
+    fits: bool | None
     target: str = ""
     always_live_bytes: int = 0
     peak_temporary_bytes: int = 0
@@ -187,6 +208,49 @@ class Estimate:
     ipus: list[dict[str, Any]] = field(default_factory=list)     # per IPU: memory, stages
     pipeline_timeline: list[dict[str, Any]] = field(default_factory=list)  # slots x passes
     pipeline_transfers: list[dict[str, Any]] = field(default_factory=list)
+    # Verdicts (module docstring): the margin allowed beside ``fits``, and a failure.
+    within_margin: bool = False          # over tile_bytes_limit by at most margin_bytes
+    margin_bytes: int = 0                # MEMORY_MARGIN of a tile's SRAM, in bytes
+    failure: str = ""                    # the tile model's failure (then fits is None)
+    # tf_ipu.max_batch_size's table (largest micro-batch per option), for the HTML report.
+    max_batch: dict[str, Any] = field(default_factory=dict)
+
+    # -- verdicts -------------------------------------------------------------------------
+    @property
+    def fit_known(self) -> bool:
+        """False when the tile model failed and nothing was counted (``fits`` is None)."""
+        return self.fits is not None
+
+    @property
+    def over_bytes(self) -> int:
+        """Bytes of the fullest tile beyond its SRAM (0 when it fits or is unknown)."""
+        return max(0, self.peak_tile_bytes - self.tile_bytes_limit) if self.fit_known else 0
+
+    @property
+    def refused(self) -> bool:
+        """True when compile refuses the program (OutOfMemoryError unless allow_out_of_memory):
+        over the tile's SRAM by more than the margin. Unknown fits are never refused."""
+        return self.fits is False and not self.within_margin
+
+    def where_peak(self) -> str:
+        """"tile 12" or, pipelined, "tile 12 of IPU 1 (IPU id 1, pipeline stage 1)"."""
+        if self.pipeline_stages <= 1:
+            return f"tile {self.peak_tile}"
+        row = next((d for d in self.ipus if d.get("ipu") == self.peak_ipu), {})
+        stages = row.get("stages", [])
+        return (f"tile {self.peak_tile} of IPU {self.peak_ipu} (IPU id {row.get('ipu_id', self.peak_ipu)}"
+                + (f", pipeline stage{'s' if len(stages) != 1 else ''} "
+                   f"{', '.join(map(str, stages))}" if stages else "") + ")")
+
+    def margin_message(self) -> str:
+        """The warning of a program over capacity within the margin ("" otherwise)."""
+        if not self.within_margin:
+            return ""
+        return (f"{self.program or 'the program'}: over tile memory within the tile model's "
+                f"{MEMORY_MARGIN:.0%} margin: {self.where_peak()} holds {self.peak_tile_bytes:,} B, "
+                f"{self.over_bytes:,} B over its {self.tile_bytes_limit:,} B ({self.target}; the "
+                f"margin allows {self.margin_bytes:,} B). It compiles and runs here; on an IPU it "
+                "may not fit.")
 
     # -- derived figures ------------------------------------------------------------------
     @property
@@ -257,13 +321,10 @@ class Estimate:
             if name not in d:
                 raise ValueError(f"estimate: field {name!r} is missing")
             v = d[name]
-            ok = (isinstance(v, bool) if kind is bool
-                  else isinstance(v, int) and not isinstance(v, bool) if kind is int
-                  else isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float
-                  else isinstance(v, (list, tuple)) if kind in (list, tuple)
-                  else isinstance(v, kind))
-            if not ok:
-                raise ValueError(f"estimate: field {name!r} must be {kind.__name__}, "
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            if not any(_of_kind(v, k) for k in kinds):
+                spelled = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+                raise ValueError(f"estimate: field {name!r} must be {spelled}, "
                                  f"received {type(v).__name__}")
             values[name] = tuple(v) if kind is tuple else v  # an int float stays as it was
         return cls(**values)
@@ -286,6 +347,9 @@ class Estimate:
 
     def summary(self) -> str:
         """One line: time, throughput, memory (and the replicas with their all-reduces)."""
+        if self.fits is None:
+            return (f"{self.program or 'program'} on {self.target}: no estimate, fit unknown "
+                    f"({self.failure or 'the tile model failed'})")
         items = f", {self.throughput:,.1f} items/s" if self.items_per_call else ""
         replicas = ""
         if self.replicas > 1:
@@ -302,7 +366,7 @@ class Estimate:
         return (f"{self.program or 'program'} on {self.target}{replicas}: {self.cycles:,} "
                 f"cycles = {self.seconds * 1e3:.3f} ms{items}; peak tile {self.peak_tile} "
                 f"{self.peak_tile_bytes:,} B of {self.tile_bytes_limit:,} B"
-                f"{'' if self.fits else ' (DOES NOT FIT)'}")
+                f"{verdict_text(self)}")
 
     def oom_message(self, top: int = 6) -> str:
         """Poplar-style out-of-memory message naming the tile, the bytes, the limit, and the
@@ -336,6 +400,9 @@ class Estimate:
                     f"{d['peak_tile_bytes']:,} B on tile {d['peak_tile']}"
                     for d in self.ipus if not d.get("fits", True)]
             lines.append("Over the limit: " + "; ".join(over) + ".")
+        if self.margin_bytes:
+            lines.append(f"{self.over_bytes:,} B over is {'within' if self.within_margin else 'beyond'}"
+                         f" the tile model's {MEMORY_MARGIN:.0%} margin ({self.margin_bytes:,} B).")
         lines.append(f"In all: {self.total_bytes:,} bytes on {self.tiles_per_ipu} tiles "
                      f"{'of every IPU ' if self.pipeline_stages > 1 else ''}"
                      f"({self.always_live_bytes:,} always live). Set allow_out_of_memory to "
@@ -346,10 +413,45 @@ class Estimate:
 _DERIVED = ("latency_s", "throughput", "device_seconds", "all_reduce_share")  # to_dict's computed figures
 
 
-def _field_kinds() -> dict[str, type]:
-    """Each field of ``Estimate`` and the Python type of its values (``list[str]`` -> list)."""
+def _of_kind(v: Any, kind: type) -> bool:
+    """Whether ``v`` (read from JSON) is a value of a field of type ``kind``."""
+    if kind is bool:
+        return isinstance(v, bool)
+    if kind is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind in (list, tuple):
+        return isinstance(v, (list, tuple))
+    return isinstance(v, kind)
+
+
+def verdict_text(est: Any) -> str:
+    """" (DOES NOT FIT)", " (over by N B, within the 5% margin)", " (fit unknown: ...)" or ""
+    for an Estimate (or anything with its verdict fields)."""
+    if est.fits is None:
+        return " (FIT UNKNOWN: the tile model failed)"
+    if est.fits:
+        return ""
+    if getattr(est, "within_margin", False):
+        over = est.peak_tile_bytes - est.tile_bytes_limit
+        return f" (DOES NOT FIT: {over:,} B over, within the {MEMORY_MARGIN:.0%} margin)"
+    return " (DOES NOT FIT)"
+
+
+def _field_kinds() -> dict[str, type | tuple[type, ...]]:
+    """Each field of ``Estimate`` and the Python type of its values (``list[str]`` -> list;
+    ``bool | None`` -> (bool, NoneType))."""
     hints = typing.get_type_hints(Estimate)
-    return {f.name: typing.get_origin(hints[f.name]) or hints[f.name] for f in fields(Estimate)}
+    out: dict[str, type | tuple[type, ...]] = {}
+    for f in fields(Estimate):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        if type(None) in args:  # an optional scalar
+            out[f.name] = tuple(typing.get_origin(a) or a for a in args)
+        else:
+            out[f.name] = typing.get_origin(hint) or hint
+    return out
 
 
 def _jsonable(x: Any) -> Any:
@@ -439,17 +541,23 @@ class PipelineRun:
     implied_all_reduce_bytes: int = 0
 
 
-def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | None = None) -> Estimate:
-    """The :class:`Estimate` of a planned module (pipelined: ``pipeline``, pipeline.py)."""
+def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | None = None,
+                  recompute: Recomputation | None = None) -> Estimate:
+    """The :class:`Estimate` of a planned module (pipelined: ``pipeline``, pipeline.py; a
+    program that is not, recomputed as ``recompute`` says: ``recomputation_of``)."""
     t: Target = plan.target
     pipe: dict[str, Any] = {}
+    again = 0.0
     if pipeline is None:
-        mem: MemoryProfile = profile_memory(plan)
+        mem: MemoryProfile = profile_memory(plan, recompute=recompute)
+        if recompute is not None:
+            again = again_cycles(plan.entry.steps, recompute.again)
     else:
         pipe = estimate_pipeline(plan, pipeline.module, pipeline.where, memory_schedule(plan),
                                  pipeline.implied_all_reduce_bytes)
         mem = pipe["profile"]
     compute, exchange, sync, _ = plan.entry.totals()
+    compute += again  # what recomputation runs again (forward work: counted as compute)
     device = int(math.ceil(compute + exchange + sync))
     rep = plan.replication
     if rep is None:
@@ -549,9 +657,24 @@ def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | N
     )
     if pipeline is not None:
         _apply_pipeline(est, pipe, pipeline.where, t)
+    judge_memory(est)
     est.expected_error = calibration.expected_error(class_shares(est, agg.values()))
     line = calibration.describe(est.expected_error)
     if line:
+        est.notes = [*est.notes, line]
+    return est
+
+
+def judge_memory(est: Estimate) -> Estimate:
+    """Sets ``est``'s verdict from its fullest tile: ``fits`` (peak <= SRAM), ``margin_bytes``
+    (``MEMORY_MARGIN`` of the tile's SRAM) and ``within_margin`` (over by at most that), with
+    the warning in its notes when within. Returns ``est``."""
+    est.margin_bytes = int(est.tile_bytes_limit * MEMORY_MARGIN)
+    est.fits = est.peak_tile_bytes <= est.tile_bytes_limit
+    est.within_margin = (not est.fits
+                         and est.peak_tile_bytes <= est.tile_bytes_limit + est.margin_bytes)
+    line = est.margin_message()
+    if line and line not in est.notes:
         est.notes = [*est.notes, line]
     return est
 
@@ -627,7 +750,8 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                     pipeline_schedule: str = "grouped", micro_batches: int = 1,
                     recomputation: bool = False, optimizer_state_offload: str | bool | None = "auto",
                     optimizer_state_sharding: bool = False,
-                    memory_proportions: Mapping[str, float] | None = None) -> Estimate:
+                    memory_proportions: Mapping[str, float] | None = None,
+                    on_failure: str = "raise") -> Estimate:
     """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
     arguments; ``memory_proportions``: PopLibs' availableMemoryProportion of ``"dot"`` and
     ``"convolution"`` plans).
@@ -645,16 +769,22 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
     (Graphcore's offload_weight_update_variables and replicated_optimizer_state_sharding);
     see ``pipeline.py``.
 
-    A failure of the model itself (a bug, an IR shape it does not know) must not stop the
-    program from compiling and running: it is logged, and the estimate then says so in its
-    ``notes`` and has no figures (``fits`` is True, as nothing was counted).
+    A failure of the model itself (a bug, an IR shape it does not know) raises
+    :class:`TileModelError` naming the instruction being planned (``on_failure="raise"``, the
+    default), or (``on_failure="report"``: compile, which a failure must never stop) is logged
+    as a warning and returns an estimate with the fit unknown: ``fits`` None, no figures
+    (cycles 0), the message in ``failure`` and ``notes``.
 
     Raises:
+        TileModelError: the tile model failed (``on_failure="raise"``), naming the program and
+            the instruction, the original exception chained.
         ValueError: a replication the system cannot run (more replicas than IPUs, ``ipu_ids``
             not one IPU per replica, IPUs of another version), a pipeline placement it cannot
             (a stage mapped to an IPU the replica lacks, more IPUs than the system has, ...)
             or an instruction in a stage beyond ``pipeline_stages``, naming the numbers.
     """
+    if on_failure not in ("raise", "report"):
+        raise ValueError(f"on_failure must be 'raise' or 'report'. Received: {on_failure!r}")
     run: PipelineRun | None = None
     if pipeline_stages != 1:
         where = placement(pipeline_stages, stage_ipus, ipus_per_replica, replicas, system,
@@ -672,24 +802,74 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                            implied_all_reduce_bytes=0 if run else implied_all_reduce_bytes,
                            stages=pipeline_stages if run else 1,
                            memory_proportions=memory_proportions)
-        est = estimate_plan(plan, module.name, run)
+        est = estimate_plan(plan, module.name, run,
+                            recomputation_of(module) if run is None and recomputation else None)
         if memory_proportions:  # PopLibs' availableMemoryProportion the products were planned with
             est.context["available_memory_proportion"] = {
                 str(k): float(v) for k, v in sorted(memory_proportions.items())}
         return est
-    except Exception as e:  # noqa: BLE001 - reported, never fatal
-        _log.warning("tile model failed on module %r: %s: %s", module.name, type(e).__name__, e,
-                     exc_info=True)
+    except Exception as e:  # noqa: BLE001 - raised as TileModelError, or reported
+        error = tile_model_error(module.name, e)
+        if on_failure == "raise":
+            raise error from e
+        _log.warning("%s", error, exc_info=e)
         return Estimate(
             ipu_version=target.ipu_version, tiles_per_ipu=target.tiles_per_ipu,
             clock_hz=target.clock_hz, cycles=0, seconds=0.0, peak_tile_bytes=0,
-            tile_bytes_limit=target.sram_bytes_per_tile, total_bytes=0, fits=True,
+            tile_bytes_limit=target.sram_bytes_per_tile, total_bytes=0, fits=None,
             target=f"{target.product} ({target.name})", program=module.name,
             preset=target.to_dict(), replicas=rep.replicas,
             system=rep.system.name if rep.system is not None else "", ipu_ids=list(rep.ipu_ids),
-            notes=[f"the tile model failed on this program ({type(e).__name__}: {e}); "
-                   "no figures were estimated"],
+            margin_bytes=int(target.sram_bytes_per_tile * MEMORY_MARGIN), failure=str(error),
+            notes=[f"fit unknown, no figures: {error}"],
         )
+
+
+def tile_model_error(program: str, e: BaseException) -> TileModelError:
+    """The :class:`TileModelError` for exception ``e`` raised by the tile model on ``program``:
+    it names the IR instruction being planned when it failed (the innermost frame of ``e``'s
+    traceback holding one, preferring a local named ``instr``: the planners' name for it) and
+    the function that raised (not chained here: ``raise ... from e``)."""
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    instr = None
+    for frame in reversed(frames):  # innermost first
+        if isinstance(frame.f_locals.get("instr"), ir_pb2.Instruction):
+            instr = frame.f_locals["instr"]
+            break
+    if instr is None:
+        instr = next((v for frame in reversed(frames) for v in frame.f_locals.values()
+                      if isinstance(v, ir_pb2.Instruction)), None)
+    where = ""
+    if frames:
+        code = frames[-1].f_code
+        path = code.co_filename.replace("\\", "/")
+        short = "/".join(path.split("/")[-2:])
+        where = f" (raised in {short}, {code.co_name})"
+    what = (f"while planning {describe(instr)}" if instr is not None
+            else "outside any one instruction")
+    message = (f"The tile model failed on program {program!r} {what}: {type(e).__name__}: {e}"
+               f"{where}. No figure of this program was estimated (a limit or bug of the tile "
+               "model, docs/tile_model.md; please report it with the program).")
+    if instr is None:
+        return TileModelError(message, program)
+    return TileModelError(message, program, instr.name, instr.opcode,
+                          layer_of(instr.source_op) if instr.source_op else "")
+
+
+def recomputation_of(module: ir_pb2.Module) -> Recomputation:
+    """How a program that is not pipelined is recomputed (``allow_recompute``; docs/tile_model.md,
+    "Recomputation"): a one-stage pipeline's program cut by recomputation checkpoints remakes
+    its segments (``RecomputeAndBackpropagateInterleaved``); any other, the cheap element-wise
+    results its backward reads."""
+    phase = phases(module)
+    if any(checkpoint_makers(c) for c in module.computations):
+        names = set().union(*recomputed_instructions(module, phase, 1).values())
+        return Recomputation("segments", phase, again=dict.fromkeys(names, 1))
+    return Recomputation("cheap", phase)
 
 
 def _check_stages(module: ir_pb2.Module, stages: int) -> None:
