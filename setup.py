@@ -134,7 +134,8 @@ setup(
         "tf_ipu_ops",
     ],
     package_dir={"tf_ipu_ops": "ops/python"},
-    package_data={"device_server.protocol": ["*.pyi"]},
+    # calibration.json: the tile model's fitted figures (bench/calibration/fit.py --write).
+    package_data={"device_server.protocol": ["*.pyi"], "device_server.emulator": ["calibration.json"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={"onnx": ["onnx==1.23.2"]},  # tf_ipu.onnx (imports no TensorFlow)
     entry_points={"console_scripts": ["device_server = device_server.__main__:main"]},

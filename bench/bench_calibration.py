@@ -4,7 +4,11 @@
         estimated, ratio, held out or fitted (or why not compared); the fitted figures; per
         operation class the held-out error exp(mean |ln(estimated / measured)|) and the worst,
         "uncalibrated" below 3 held-out points from 2 sources (bench/calibration/fit.py);
-        and whether device_server/emulator/calibration.py holds what the fit gives
+        and whether device_server/emulator/calibration.json holds what the fit gives
+    (a2) the end-to-end fit on the one-host MLPerf runs, replayed from their cached breakdowns
+        (bench/results/mlperf_breakdowns.json, bench/calibration/e2e.py): per fold the scales
+        fitted, per run and per class the held-out error of the fit beside the single
+        constant's, whether it is adopted, and whether calibration.json holds it
     (b) each preset: how many of its figures are published, fitted, assumed
     (c) sensitivity: each assumed figure of the GC200 preset halved and doubled, the change
         of the main estimates (ResNet-50 and BERT-Base inference at batch 8: time, peak tile)
@@ -40,13 +44,26 @@ def _fit() -> list[dict[str, Any]]:
     result = fit.calibrate()
     print("(a) calibration against the published measurements")
     fit.report(result)
-    diffs = fit.agrees(result)
-    print("  device_server/emulator/calibration.py " + (
-        "holds what the fit gives" if not diffs else "DIFFERS: " + "; ".join(diffs)))
+    e2e_res = fit.e2e_result()
+    section = fit.e2e.data_section(e2e_res, fit.e2e.load_cache())
+    diffs = fit.agrees(result, section)
+    print("(a2) end to end")
+    fit.e2e.report(e2e_res)
+    check = section.get("replay_check") or {}
+    if check:
+        print(f"  replay check (re-estimated once with {check['scales']}): worst |ln(replayed / "
+              f"re-estimated)| {check['worst_ln_difference']:.4f} "
+              f"({'within' if check['accurate'] else 'OUTSIDE'} {check['tolerance']})")
+    print("  device_server/emulator/calibration.json " + (
+        "holds what the fits give" if not diffs else "DIFFERS: " + "; ".join(diffs)))
     print(f"  ({time.perf_counter() - t0:.1f} s)")
     rows: list[dict[str, Any]] = [{"part": "a", "class": c, **e} for c, e in result["classes"].items()]
     rows.append({"part": "a", "figures": {f.name: result["figures"][f.name] for f in fit.FIGURES},
                  "agrees": not diffs})
+    rows.append({"part": "a2", **{k: e2e_res[k] for k in ("folds", "runs", "fit", "baseline",
+                                                          "unfitted", "classes", "fitted",
+                                                          "adopted", "why")},
+                 "replay_check": check or None})
     for p in result["points"]:
         if p.m.is_ipu:
             rows.append({"part": "a", "id": p.m.id, "measured": p.m.value, "estimated": p.estimated,
@@ -99,7 +116,8 @@ def _sensitivity(quick: bool) -> list[dict[str, Any]]:
     preset = "ipu2"
     base = arch.get_target(preset)
     assumed = [f for f, (kind, _) in arch.provenance(preset).items() if kind == "assumed"
-               and isinstance(getattr(base, f), (int, float)) and getattr(base, f)]
+               and isinstance(getattr(base, f), (int, float)) and getattr(base, f)
+               and not f.endswith("_cycle_scale")]  # a class's cycles times the factor, no more
     if quick:
         assumed = assumed[:4]
     models = [("ResNet-50", keras.applications.ResNet50(weights=None))]

@@ -6,8 +6,11 @@ to train beside the measured runs (bench/calibration: mlperf-train-v1.0, v1.1, v
         |   per configuration: ratio estimated /   submission's own configuration)
         +-- measured, typical exp(mean |ln r|) and worst over the configurations
 
-The runs are end-to-end reference points: never fitted, and not the declared validation set
-(bench/calibration/README.md). Estimated are the closed-division ResNet-50 and BERT runs on
+The runs are the end-to-end calibration data of bench/calibration/README.md (split 4): per run
+the estimate's cycles are split by class (bench/calibration/e2e.py), and the end-to-end fit's
+held-out table (fit beside the single-constant baseline) is printed from these estimates; the
+cycle scales are fitted and written by ``python bench/calibration/fit.py --e2e --write``, which
+re-runs these estimates and refreshes bench/results/mlperf_breakdowns.json. Estimated are the closed-division ResNet-50 and BERT runs on
 the systems the project models with one host: IPU-POD16 (GC200) and Bow Pod16 (larger pods
 span hosts and gateways). Each is estimated with the configuration its submission states
 (configs.yml / configs/*.json in mlcommons/training_results_v*; paths below):
@@ -33,6 +36,7 @@ span hosts and gateways). Each is estimated with the configuration its submissio
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -40,12 +44,16 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.calibration import e2e  # noqa: E402
 from bench.calibration.mlperf_logs import IMAGENET_TRAIN, SEQUENCES_PER_ROW  # noqa: E402
+
+_CONFIGURATION = {"ResNet-50": "resnet50", "BERT-Large": "bert-large"}
 
 _RESNET_CFG = "Graphcore/benchmarks/resnet/implementations/tensorflow/configs.yml"
 #: BERT configurations: (round, chip, replicas, pipeline stages, rows per micro-batch,
@@ -87,15 +95,71 @@ def _measured(benchmark: str, version: str, systems: tuple[str, ...]) -> dict[st
             "runs": len(ttt)}
 
 
-def _resnet50() -> Any:
+class _Shares:
+    """What ``tiles.report.class_shares`` gave each estimate planned while capturing: by the
+    Estimate's id, and the weight update's and gradient accumulation's own programs."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, dict[str, float]] = {}
+        self.programs: dict[str, dict[str, float]] = {}
+
+
+@contextlib.contextmanager
+def _capturing() -> Iterator[_Shares]:
+    """Records the full class shares of every estimate planned inside (the report keeps only
+    those of 10% and more)."""
+    from device_server.emulator.tiles import report
+
+    rec, original = _Shares(), report.class_shares
+
+    def recording(est: Any, ops: Any) -> dict[str, float]:
+        out = original(est, ops)
+        rec.by_id[id(est)] = dict(out)
+        for what in ("weight_update", "gradient_accumulation"):
+            if what in str(est.program):
+                rec.programs[what] = dict(out)
+        return out
+
+    report.class_shares = recording
+    try:
+        yield rec
+    finally:
+        report.class_shares = original
+
+
+#: ResNet-50's pipeline splits in the submissions' configs.yml (all three rounds: the stage
+#: ends after these blocks, Keras's names), its seven stages all on IPU 0 (bench/fit_cases.json).
+_RESNET_SPLITS = ("conv2_block1_out", "conv2_block3_out", "conv3_block1_out", "conv3_block3_out",
+                  "conv4_block1_out", "conv4_block4_out")
+#: availableMemoryProportion of the convolutions (configs.yml; matmuls keep Poplar's default).
+_RESNET_CONV_AMP = 0.15
+
+
+def _resnet50(accumulation: int) -> Any:
+    """ResNet-50 as the submissions ran it: 8-bit images decoded on the IPU, a pipeline of 7
+    stages on one IPU (``pipeline: True``, ``shards: 1``, Sequential) with recomputation
+    (``enable_recomputation``; Auto resolves to RecomputeAndBackpropagateInterleaved for the
+    Sequential schedule), the accumulation as the pipeline's."""
     import keras
 
-    images = keras.Input((224, 224, 3), dtype="uint8", name="images")  # eight_bit_io
-    x = keras.layers.Rescaling(1 / 255.0)(images)
-    net = keras.applications.ResNet50(weights=None, input_tensor=x)
-    model = keras.Model(images, net.output, name="resnet50_mlperf")
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
+    import tf_ipu
+    from tf_ipu.pipelining import PipelineSchedule
+
+    with tf_ipu.IPUStrategy().scope():
+        images = keras.Input((224, 224, 3), dtype="uint8", name="images")  # eight_bit_io
+        x = keras.layers.Rescaling(1 / 255.0)(images)
+        net = keras.applications.ResNet50(weights=None, input_tensor=x)
+        model = keras.Model(images, net.output, name="resnet50_mlperf")
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                      loss="sparse_categorical_crossentropy")
+        stages, stage = [], 0
+        for a in model.get_pipeline_stage_assignment():
+            stages.append(stage)
+            stage += a.layer.name in _RESNET_SPLITS
+        model.set_pipeline_stage_assignment(stages)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=accumulation,
+                                     device_mapping=[0] * (max(stages) + 1),
+                                     pipeline_schedule=PipelineSchedule.Sequential)
     return model
 
 
@@ -147,7 +211,7 @@ def _bert(placement: str, micro_batches: int, offload: bool | None) -> Any:
 
 
 def _ratio_row(what: str, version: str, chip: str, measured: dict[str, Any], tput: float,
-               est: Any, ttt: float, config: str, seconds: float) -> dict[str, Any]:
+               est: Any, ttt: float, config: str, seconds: float, shares: _Shares) -> dict[str, Any]:
     r_tput = tput / measured["throughput"]
     r_ttt = ttt / measured["time_to_train_s"]
     print(f"  {what} {version} {chip}: {config}")
@@ -162,36 +226,39 @@ def _ratio_row(what: str, version: str, chip: str, measured: dict[str, Any], tpu
             "throughput_ratio": r_tput, "measured_time_to_train_s": measured["time_to_train_s"],
             "estimated_time_to_train_s": ttt, "time_to_train_ratio": r_ttt, "fits": est.fits,
             "peak_tile_bytes": est.peak_tile_bytes, "runs": measured["runs"],
-            "expected_error": est.expected_error_summary(), "estimate_seconds": seconds}
+            "expected_error": est.expected_error_summary(), "estimate_seconds": seconds,
+            "run": f"{what} {version}", "configuration_key": f"{_CONFIGURATION[what]}/{chip}",
+            "cycles": e2e.breakdown(est, shares.by_id, shares.programs)}
 
 
 def _resnet_rows() -> list[dict[str, Any]]:
     import tf_ipu
 
-    rows, planned = [], {}
-    model = _resnet50()
+    rows, planned, captured = [], {}, {}
     for version, chip in (("v1.0", "ipu2"), ("v1.1", "ipu2"), ("v2.0", "bow")):
         system, names = _POD16[chip]
         m = _measured("resnet", version, names)
         micro, accumulation = int(m["micro_batch"]), int(m["accumulation"])
         t0 = time.perf_counter()
-        if (chip, micro) not in planned:  # another accumulation count re-plans nothing
-            planned[chip, micro] = tf_ipu.estimate(
-                model, micro, training=True, ipu_version=chip, replicas=16, system=system,
-                gradient_accumulation_steps_per_replica=accumulation)
-        est = planned[chip, micro].with_accumulation(accumulation)
+        if (chip, micro, accumulation) not in planned:
+            with _capturing() as captured[chip, micro, accumulation]:
+                planned[chip, micro, accumulation] = tf_ipu.estimate(
+                    _resnet50(accumulation), micro, training=True, ipu_version=chip, replicas=16,
+                    system=system, recomputation=True,
+                    available_memory_proportion={"convolution": _RESNET_CONV_AMP})
+        est = planned[chip, micro, accumulation]
         ttt = est.time_to_train(dataset_size=IMAGENET_TRAIN, epochs=m["trained"])
         config = (f"16 replicas x micro-batch {micro} x {accumulation} accumulated, "
                   f"{m['trained']:g} epochs ({_RESNET_CFG})")
         rows.append(_ratio_row("ResNet-50", version, chip, m, est.throughput, est, ttt, config,
-                               time.perf_counter() - t0))
+                               time.perf_counter() - t0, captured[chip, micro, accumulation]))
     return rows
 
 
 def _bert_rows() -> list[dict[str, Any]]:
     import tf_ipu
 
-    rows, cache = [], {}
+    rows, cache, captured = [], {}, {}
     for version, chip, replicas, placement, micro, accumulation, offload, path in _BERT:
         system, names = _POD16[chip]
         m = _measured("bert", version, names)
@@ -199,16 +266,17 @@ def _bert_rows() -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         if key not in cache:  # v1.0 and v1.1 ran the same configuration
             model = _bert(placement, accumulation, offload)
-            cache[key] = tf_ipu.estimate(model, micro, training=True, ipu_version=chip,
-                                         replicas=replicas, system=system, recomputation=True,
-                                         steps=1)
+            with _capturing() as captured[key]:
+                cache[key] = tf_ipu.estimate(model, micro, training=True, ipu_version=chip,
+                                             replicas=replicas, system=system,
+                                             recomputation=True, steps=1)
         est = cache[key]
         tput = est.throughput * SEQUENCES_PER_ROW  # rows/s -> sequences/s
         ttt = m["trained"] / tput
         config = (f"{replicas} replicas x a {placement} pipeline, {micro} packed rows x "
                   f"{accumulation} micro-batches, {m['trained']:,.0f} sequences ({path})")
         rows.append(_ratio_row("BERT-Large", version, chip, m, tput, est, ttt, config,
-                               time.perf_counter() - t0))
+                               time.perf_counter() - t0, captured[key]))
     return rows
 
 
@@ -221,11 +289,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main(quick: bool = False) -> list[dict[str, Any]]:
+def estimate_rows(quick: bool = False) -> list[dict[str, Any]]:
+    """Each run estimated (printed as it goes): its row, with its cycles split by class."""
     import keras
 
-    print("Graphcore's MLPerf Training closed-division runs on 16-IPU pods, estimated with "
-          "each submission's configuration (end-to-end reference points: never fitted)")
     keras.mixed_precision.set_global_policy("float16")
     try:
         rows = _resnet_rows()
@@ -234,10 +301,33 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
             rows += _bert_rows()
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    return rows
+
+
+def runs_of(rows: list[dict[str, Any]]) -> list[e2e.Run]:
+    """The end-to-end fit's runs from ``estimate_rows``' rows."""
+    return [e2e.Run(r["run"], r["benchmark"], r["configuration_key"], r["chip"],
+                    r["measured_throughput"], r["estimated_throughput"], r["cycles"])
+            for r in rows if "cycles" in r]
+
+
+def main(quick: bool = False) -> list[dict[str, Any]]:
+    print("Graphcore's MLPerf Training closed-division runs on 16-IPU pods, estimated with "
+          "each submission's configuration (the one-host runs: end-to-end calibration data, "
+          "bench/calibration/README.md split 4)")
+    rows = estimate_rows(quick)
     s = _summary(rows)
     for metric, v in s.items():
         print(f"  {metric.replace('_', ' ')}: typical {v['typical']:.2f}x, worst {v['worst']:.2f}x "
               f"over {v['points']} configurations")
+    runs = runs_of(rows)
+    if len({r.benchmark for r in runs}) > 1:
+        result = e2e.evaluate(runs)
+        print("  from these estimates:")
+        e2e.report(result)
+        print("  " + e2e.cache_agreement(runs))
+        rows.append({"e2e": {k: result[k] for k in ("folds", "runs", "fit", "baseline", "unfitted",
+                                                    "classes", "fitted", "adopted", "why")}})
     rows.append({"summary": s})
     return rows
 

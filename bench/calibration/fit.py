@@ -6,23 +6,33 @@
                                       mean |ln(estimated / measured)|
         held-out errors           <-- leave-one-source-out per class (README.md, declared
                                       before any fit): fitted without a source, estimated on it
-    -> device_server/emulator/calibration.py (``--write``): FITTED and CLASS_ERRORS
+    bench/results/mlperf_breakdowns.json (e2e.py) --> the end-to-end cycle scales, whole
+                                      benchmarks held out, beside one constant on all cycles
+    -> device_server/emulator/calibration.json (``--write``): the op-level figures and
+       per-class errors, and the end-to-end fit (the data file the package ships and reads)
 
-    python bench/calibration/fit.py            the table: measured, estimated, ratio, status
-    python bench/calibration/fit.py --write    rewrite calibration.py from the table
-    python bench/calibration/fit.py --check    exit 1 if calibration.py disagrees with the fit
+    python bench/calibration/fit.py                 the table: measured, estimated, ratio,
+                                                    status; the end-to-end table (from the cache)
+    python bench/calibration/fit.py --write         write calibration.json
+    python bench/calibration/fit.py --check         exit 1 if calibration.json disagrees
+    python bench/calibration/fit.py --e2e --write   first re-estimate the MLPerf runs (about
+                                                    3 minutes), refresh the cache, re-estimate
+                                                    once with the fitted scales (replay check)
+    --e2e-only                                      the end-to-end part alone (the op-level
+                                                    part of calibration.json kept; seconds)
 
 The tile model costs the work of Poplar's library vertices (popops, poplin): a point measuring
 hand-written assembly, unoptimised C++ vertices or a hardware port alone is reported and not
-compared ("not modelled", with why), as is any point no predictor here covers.
+compared ("not modelled", with why), as is any point no predictor here covers. The op-level
+figures are fitted on the presets without their end-to-end scales (those sit on top).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,12 +45,13 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.calibration import e2e  # noqa: E402
 from bench.calibration.table import Measurement, load_measurements  # noqa: E402
 from device_server.emulator import arch, calibration  # noqa: E402
 from device_server.emulator.tiles import plan_module  # noqa: E402
 from device_server.protocol import dtypes, ir_pb2  # noqa: E402
 
-CALIBRATION_PY = ROOT / "device_server" / "emulator" / "calibration.py"
+DATA_FILE = calibration.DATA_FILE
 _CHIP_PRESET = {"GC2": "ipu1", "GC200": "ipu2", "Bow": "bow"}
 #: A class is calibrated with at least this many held-out points from this many sources.
 MIN_HELD_OUT_POINTS, MIN_HELD_OUT_SOURCES = 3, 2
@@ -199,10 +210,19 @@ FIGURES = (
 ROUNDS = 3
 
 
+#: The end-to-end scales left out of the op-level fit (1.0: the op-level points are fitted on
+#: the model without them).
+UNSCALED = {calibration.scale_name(c): 1.0 for c in calibration.E2E_CLASSES}
+
+
+def unscaled_target(preset: str) -> arch.Target:
+    """The preset without its end-to-end cycle scales."""
+    return dataclasses.replace(arch.get_target(preset), **UNSCALED)
+
+
 def _target(m: Measurement, figures: dict[str, float]) -> arch.Target:
-    """The row's preset with ``figures``."""
-    base = arch.get_target(_CHIP_PRESET[m.chip])
-    return dataclasses.replace(base, **figures)
+    """The row's preset with ``figures`` (and no end-to-end scale)."""
+    return dataclasses.replace(unscaled_target(_CHIP_PRESET[m.chip]), **figures)
 
 
 def _error(rows: Sequence[Measurement], figures: dict[str, float]) -> float:
@@ -305,7 +325,7 @@ def _comparable(rows: Sequence[Measurement]) -> tuple[list[Measurement], dict[st
         elif m.op_class not in PREDICTORS:
             why[m.id] = f"not modelled: no predictor for class {m.op_class}"
         else:
-            p = PREDICTORS[m.op_class](m, arch.get_target(_CHIP_PRESET[m.chip]))
+            p = PREDICTORS[m.op_class](m, unscaled_target(_CHIP_PRESET[m.chip]))
             if p.value is None:
                 why[m.id] = f"not modelled: {p.why}"
             else:
@@ -390,55 +410,125 @@ def report(result: dict[str, Any], out: Any = sys.stdout, all_rows: bool = False
             print(f"  {cls:<12} uncalibrated: {e['why']}", file=out)
 
 
-# ------------------------------------------------------------------------------ calibration.py
+# ------------------------------------------------------------------------------ calibration.json
 
 
-def _literal_source(result: dict[str, Any]) -> str:
-    fitted = {f.name: result["figures"][f.name] for f in FIGURES}
-    lines = ["FITTED: dict[str, float] = {"]
-    lines += [f"    {k!r}: {v!r}," for k, v in fitted.items()]
-    lines += ["}", "CLASS_ERRORS: dict[str, dict[str, Any]] = {"]
-    for cls, e in result["classes"].items():
-        lines.append(f"    {cls!r}: {e!r},")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+def op_level_section(result: dict[str, Any]) -> dict[str, Any]:
+    """calibration.json's "op_level" entry: the fitted figures and the per-class errors."""
+    return {"figures": {f.name: result["figures"][f.name] for f in FIGURES},
+            "class_errors": {cls: dict(e) for cls, e in result["classes"].items()}}
 
 
-_BLOCK = re.compile(r"(# ---- written by bench/calibration/fit.py --write.*?\n)(.*?)(# ---- end of what fit.py writes)",
-                    re.S)
+def e2e_result() -> dict[str, Any]:
+    """The end-to-end fit replayed from the breakdown cache (no TensorFlow)."""
+    return e2e.evaluate(e2e.load_runs())
 
 
-def write(result: dict[str, Any]) -> None:
-    text = CALIBRATION_PY.read_text()
-    new = _BLOCK.sub(lambda mt: mt.group(1) + _literal_source(result) + mt.group(3), text)
-    CALIBRATION_PY.write_text(new)
+def write(op_level: dict[str, Any], e2e_section: dict[str, Any], path: Path = DATA_FILE) -> None:
+    """Writes the data file (schema 1)."""
+    data = {"schema": 1,
+            "written_by": "python bench/calibration/fit.py --write (do not edit by hand)",
+            "op_level": op_level, "e2e": e2e_section}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
 
 
-def agrees(result: dict[str, Any]) -> list[str]:
-    """What calibration.py holds that the fit does not give (empty: they agree)."""
+def agrees(result: dict[str, Any] | None, e2e_section: dict[str, Any] | None = None,
+           path: Path = DATA_FILE) -> list[str]:
+    """What the data file holds that the fits do not give (empty: they agree). ``result``
+    None: the op-level part is not compared; ``e2e_section`` None: nor the end-to-end one."""
+    data = calibration.load(path)
     diffs = []
-    for f in FIGURES:
-        if calibration.FITTED.get(f.name) != result["figures"][f.name]:
-            diffs.append(f"{f.name}: calibration.py {calibration.FITTED.get(f.name)}, fit "
-                         f"{result['figures'][f.name]}")
-    if calibration.CLASS_ERRORS != result["classes"]:
-        diffs.append("CLASS_ERRORS differ from the fit's per-class errors")
+    if result is not None:
+        want = op_level_section(result)
+        for name, value in want["figures"].items():
+            if data["op_level"]["figures"].get(name) != value:
+                diffs.append(f"{name}: calibration.json {data['op_level']['figures'].get(name)}, "
+                             f"fit {value}")
+        if data["op_level"]["class_errors"] != want["class_errors"]:
+            diffs.append("the per-class errors differ from the fit's")
+    if e2e_section is not None:
+        have = data.get("e2e", {})
+        for key in ("figures", "fitted", "adopted", "folds", "held_out", "bounds"):
+            if have.get(key) != e2e_section.get(key):
+                diffs.append(f"e2e {key}: calibration.json {have.get(key)!r:.120}, fit "
+                             f"{e2e_section.get(key)!r:.120}")
     return diffs
+
+
+def verify(runs: list[e2e.Run], scales: dict[str, float]) -> dict[str, Any]:
+    """Re-estimates the MLPerf runs with ``scales`` (figure -> value) in every preset, and
+    compares each run's throughput with the replay's (e2e.Run.replay)."""
+    from bench import bench_mlperf
+
+    saved = dict(arch.PRESETS)
+    try:
+        for key, target in saved.items():
+            arch.PRESETS[key] = dataclasses.replace(target, **scales)
+        rows = bench_mlperf.estimate_rows()
+    finally:
+        arch.PRESETS.update(saved)
+    again = {r.run: r for r in bench_mlperf.runs_of(rows)}
+    by_class = {c: scales[calibration.scale_name(c)] for c in calibration.E2E_CLASSES
+                if calibration.scale_name(c) in scales}
+    out = []
+    for r in runs:
+        replayed = r.replay(by_class)
+        est = again[r.run].estimated
+        out.append({"run": r.run, "replayed": round(replayed, 2), "re_estimated": round(est, 2),
+                    "ln_difference": round(math.log(replayed / est), 4)})
+    worst = max(abs(x["ln_difference"]) for x in out)
+    return {"scales": scales, "runs": out, "worst_ln_difference": worst,
+            "accurate": worst <= e2e.REPLAY_TOLERANCE, "tolerance": e2e.REPLAY_TOLERANCE}
+
+
+def refresh_e2e(check_replay: bool = True) -> None:
+    """Re-estimates the MLPerf runs, refreshes the cache and (``check_replay``) re-estimates
+    once with the scales fitted on all runs, recording how well the replay agrees."""
+    from bench import bench_mlperf
+
+    rows = bench_mlperf.estimate_rows()
+    e2e.write_cache(rows)
+    if check_replay:
+        runs = e2e.load_runs()
+        result = e2e.evaluate(runs)
+        print(f"re-estimating with the scales fitted on all runs ({result['fitted']}) to check "
+              "the replay")
+        check = verify(runs, result["fitted"])
+        for x in check["runs"]:
+            print(f"  {x['run']:<18} replayed {x['replayed']:,.1f}/s, re-estimated "
+                  f"{x['re_estimated']:,.1f}/s: ln difference {x['ln_difference']:+.4f}")
+        e2e.write_cache(rows, replay_check=check)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite calibration.py")
-    parser.add_argument("--check", action="store_true", help="exit 1 if calibration.py disagrees")
+    parser.add_argument("--write", action="store_true", help="write calibration.json")
+    parser.add_argument("--check", action="store_true", help="exit 1 if calibration.json disagrees")
     parser.add_argument("--all", action="store_true", help="list the comparison rows too")
+    parser.add_argument("--e2e", action="store_true",
+                        help="re-estimate the MLPerf runs first and refresh their cache")
+    parser.add_argument("--no-replay-check", action="store_true",
+                        help="with --e2e: skip re-estimating with the fitted scales")
+    parser.add_argument("--e2e-only", action="store_true",
+                        help="the end-to-end fit alone (calibration.json's op-level part kept)")
     args = parser.parse_args(argv)
-    result = calibrate()
-    report(result, all_rows=args.all)
+    if args.e2e:
+        refresh_e2e(not args.no_replay_check)
+    result = None
+    if not args.e2e_only:
+        result = calibrate()
+        report(result, all_rows=args.all)
+    e2e_res = e2e_result()
+    e2e.report(e2e_res)
+    section = e2e.data_section(e2e_res, e2e.load_cache())
     if args.write:
-        write(result)
-        print(f"wrote {CALIBRATION_PY.relative_to(ROOT)}")
+        op_level = op_level_section(result) if result is not None else calibration.load()["op_level"]
+        write(op_level, section)
+        print(f"wrote {DATA_FILE.relative_to(ROOT)}")
     if args.check:
-        diffs = agrees(result)
+        diffs = agrees(result, section)
         for d in diffs:
             print("DIFFERS:", d)
         return 1 if diffs else 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from device_server.emulator.calibration import FITTED
+from device_server.emulator.calibration import CYCLE_SCALES, E2E, E2E_CLASSES, FITTED, scale_name
 from device_server.protocol.hardware import VERSIONS, canonical_version
 
 __all__ = ["BOW", "GC2", "GC200", "PRESETS", "PROVENANCE", "Target", "calibration_summary",
@@ -74,6 +74,17 @@ class Target:
     # cycles a matrix product's pass costs beyond its work and one vertex's overhead (the
     # AMP's set-up per pass; fitted to the smallest products measured)
     matmul_pass_overhead_cycles: float = FITTED["matmul_pass_overhead_cycles"]
+    # ---- end-to-end cycle scales (calibration.json "e2e", bench/calibration/fit.py --e2e):
+    # one factor per class no op-level source covers, on the cycles the model gives that
+    # class (calibration.apply_cycle_scales; host link: tiles/cycles.host_seconds). 1.0:
+    # not fitted, or the fit was not adopted (it must beat one constant on all cycles).
+    elementwise_cycle_scale: float = CYCLE_SCALES["elementwise_cycle_scale"]
+    conv_cycle_scale: float = CYCLE_SCALES["conv_cycle_scale"]
+    reduction_cycle_scale: float = CYCLE_SCALES["reduction_cycle_scale"]
+    exchange_cycle_scale: float = CYCLE_SCALES["exchange_cycle_scale"]
+    sync_cycle_scale: float = CYCLE_SCALES["sync_cycle_scale"]
+    host_link_cycle_scale: float = CYCLE_SCALES["host_link_cycle_scale"]
+    collective_cycle_scale: float = CYCLE_SCALES["collective_cycle_scale"]
 
     @property
     def sram_bytes_per_ipu(self) -> int:
@@ -156,7 +167,7 @@ PRESETS: dict[str, Target] = {"ipu1": GC2, "ipu2": GC200, "bow": BOW}
 # published figures counts, and says so), fitted (bench/calibration), or assumed (no public
 # figure; bench/bench_calibration.py shows how much the main estimates move with it).
 _P, _F, _A = "published", "fitted", "assumed"
-_FIT = ("bench/calibration/fit.py: fitted to {rows} (calibration.py)")
+_FIT = ("bench/calibration/fit.py: fitted to {rows} (calibration.json)")
 _COMMON: dict[str, tuple[str, str]] = {
     "worker_threads_per_tile": (_P, "6 hardware worker threads (Louw & McIntosh-Smith 2021 s.II; Jia et al. 2019)"),
     "sync_cycles": (_A, "90 cycles: the sync cost PopLibs' CTC-loss planner uses (graphcore/poplibs@7eac0f26 lib/popnn/CTCLossPlan.cpp, estimateCycles), a vendor-model constant of that planner; the general planners ask Poplar (Target::getMaxIPUSyncDelay), whose value is not public"),
@@ -216,15 +227,38 @@ _MK2_OWN: dict[str, tuple[str, str]] = {
     "amp_fp32_efficiency": (_A, "the figure fitted on GC2 and Bow products (same tile design; no GC200 product measured)"),
     "matmul_pass_overhead_cycles": (_A, "the figure fitted on Bow products (same tile design; no GC200 product measured)"),
 }
+
+
+def _e2e_provenance() -> dict[str, tuple[str, str]]:
+    """Each end-to-end cycle scale: "fitted" (with its runs) where calibration.json's e2e fit
+    is adopted and fitted it, else "assumed" 1.0 (and why)."""
+    out = {}
+    fitted = E2E.get("fitted", {}) if E2E.get("adopted") else {}
+    for cls in E2E_CLASSES:
+        name = scale_name(cls)
+        if name in fitted:
+            out[name] = (_F, f"bench/calibration/fit.py --e2e: fitted end to end to "
+                             f"{E2E.get('source', 'the one-host MLPerf runs')} (calibration.json), "
+                             f"within {E2E['bounds'][name]}")
+        else:
+            why = (f"the end-to-end fit is not adopted ({E2E.get('why', '')})" if not E2E.get("adopted")
+                   else "not among the classes the end-to-end fit fits")
+            out[name] = (_A, f"1.0, no end-to-end correction of {cls} cycles: {why}")
+    return out
+
+
+_E2E_OWN = _e2e_provenance()
 PROVENANCE: dict[str, dict[str, tuple[str, str]]] = {
     "ipu1": {**_COMMON, **_GC2_OWN,
              "matmul_pass_overhead_cycles": (_A, "the figure fitted on Bow products (same tile design; GC2's only product points are ceilings of large products)"),
              "amp_fp16_output_channels": (_P, "8 conv units with FP16 or FP32 partials (PopLibs' GC2 AMP codelets, graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_half_half.S)"),
-             "amp_fp32_output_channels": (_P, "8 conv units (PopLibs' GC2 float AMP codelets, graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_float_float.S): 8 x 8 MACs per 8 cycles = 16 FLOP/cycle, the 31.1 TFLOP/s peak")},
-    "ipu2": {**_COMMON, **_MK2_OWN},
+             "amp_fp32_output_channels": (_P, "8 conv units (PopLibs' GC2 float AMP codelets, graphcore/poplibs@7eac0f26 lib/poplin/codelets/asm/conv_partial_1x1_float_float.S): 8 x 8 MACs per 8 cycles = 16 FLOP/cycle, the 31.1 TFLOP/s peak"),
+             **{k: (_A, f"the GC200/Bow end-to-end figure (same tile design; no GC2 run fitted): {why}")
+                for k, (_, why) in _E2E_OWN.items()}},
+    "ipu2": {**_COMMON, **_MK2_OWN, **_E2E_OWN},
     "bow": {**_COMMON, **_MK2_OWN, "clock_hz": (_P, "1.85 GHz (Graphcore Bow launch)"),
             **{f: _GC2_OWN[f] for f in ("amp_fp16_efficiency", "amp_fp32_efficiency",
-                                        "matmul_pass_overhead_cycles")}},
+                                        "matmul_pass_overhead_cycles")}, **_E2E_OWN},
 }
 _NOT_FIGURES = ("name", "product", "ipu_version")
 

@@ -76,4 +76,4 @@ def host_seconds(target: Target, bytes_in: int, bytes_out: int, *, bytes_per_s: 
     for b in (bytes_in, bytes_out):
         if b > 0:
             total += latency + max(1, sharers) * b / rate
-    return total
+    return total * target.host_link_cycle_scale  # end-to-end scale (calibration.json; 1.0 unfitted)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from device_server.emulator import calibration
 from device_server.emulator.arch import Target
 from device_server.emulator.tiles.collectives import CollectivePlanning
 from device_server.emulator.tiles.control import ControlPlanning
@@ -270,6 +271,8 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
         entry.steps.insert(0, entry.steps.pop())  # at the start of the call
         if implied_all_reduce_bytes > 0:
             planner.implied_all_reduce(entry, int(implied_all_reduce_bytes))
+    # The end-to-end cycle scales (calibration.json; 1.0 unless an adopted fit set them).
+    calibration.apply_cycle_scales(entry, target, planner.collectives)
     for b in params:
         planner.enter_stage(b.instr)
         planner.mapping_of(b)
