@@ -247,7 +247,7 @@ def _resnet_rows() -> list[dict[str, Any]]:
                     system=system, recomputation=True,
                     available_memory_proportion={"convolution": _RESNET_CONV_AMP})
         est = planned[chip, micro, accumulation]
-        ttt = est.time_to_train(dataset_size=IMAGENET_TRAIN, epochs=m["trained"])
+        ttt = IMAGENET_TRAIN * m["trained"] / est.throughput  # a pipeline's: all replicas' items
         config = (f"16 replicas x micro-batch {micro} x {accumulation} accumulated, "
                   f"{m['trained']:g} epochs ({_RESNET_CFG})")
         rows.append(_ratio_row("ResNet-50", version, chip, m, est.throughput, est, ttt, config,
