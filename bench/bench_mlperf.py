@@ -19,17 +19,30 @@ span hosts and gateways). Each is estimated with the configuration its submissio
         the IPU (eight_bit_io), micro-batch and accumulation from the log (global batch /
         (16 x accumulation)); SGD with momentum for the update (v1.1 and v2.0 used LARS,
         whose per-layer norms add little to the update).
-    BERT-Large phase 2, sequence 512, packed rows (about 2 sequences each), LAMB, FP16:
-        v1.0 / v1.1 IPU-POD16: 4 replicas x a 4-IPU pipeline, layers [3, 7, 7, 7] (the
-        embedding on IPU 0), 2 rows x 192 micro-batches, optimizer state offloaded and
-        sharded over the replicas, recomputation;
-        v2.0 Bow Pod16: 2 replicas x an 8-IPU pipeline (the embedding alone on IPU 0, the
-        attention and feed-forward halves placed as att_ffn_placement says), 3 rows x 256
-        micro-batches, optimizer state sharded over the replicas (the submission keeps it on
-        chip; here it is offloaded only where an IPU would not fit otherwise); recomputation.
+    BERT-Large phase 2, sequence 512, packed rows (about 2 sequences each), LAMB, FP16,
+    the heads in a final pipeline stage on IPU 0, recomputation (PopART's
+    RecomputationType.Pipeline: RecomputeAndBackpropagateInterleaved, Grouped) from the
+    submission's checkpoints (``_bert_checkpoints``), attention probabilities in FP16 as
+    PopART's BERT keeps them (``bert_encoder(softmax_in_compute_dtype=True)``):
+        v1.0 IPU-POD16: 4 replicas x a 4-IPU pipeline, layers_per_ipu [3, 7, 7, 7] (the
+        embedding with IPU 0's layers), vocab 30400, every layer's output checkpointed but
+        the last on each IPU, matmul availableMemoryProportion 0.20 (the config's per IPU
+        [0.20, 0.20, 0.25, 0.25]: its fullest IPU's), 2 rows x 192 micro-batches, optimizer
+        state offloaded and sharded over the replicas;
+        v1.1 IPU-POD16: 4 replicas x a 4-IPU pipeline, att_ffn_placement [[1,[7,6]],
+        [2,[6,7]],[3,[7,6]],[0,[4,5]]] (the embedding alone in stage 0 on IPU 0, the last
+        blocks back on IPU 0 in stage 4), vocab 30912, availableMemoryProportion 0.23, 2 rows
+        x 192, optimizer state offloaded and sharded;
+        v2.0 Bow Pod16: 2 replicas x an 8-IPU pipeline of 9 stages (att_ffn_placement, layer
+        23's feed-forward block with the heads in stage 8 on IPU 0), vocab 30912,
+        availableMemoryProportion 0.3, 3 rows x 256, optimizer state on chip (the submission
+        also shards it over the replicas, which Graphcore's TensorFlow does only for
+        offloaded state: here it is whole on each replica).
     Not modelled: the masked-LM head over 76 tokens (a 2-class head instead: under 1% of
-    the FLOPs), packing's attention mask, FP8 activation checkpoints (v2.0), the host's
-    data loading; time to train counts training only (the logs' evaluations are excluded).
+    the FLOPs), dropout, packing's attention mask, FP8 activation checkpoints (v2.0: the
+    bytes they would save are printed beside its verdict), per-IPU availableMemoryProportion
+    (v1.0), the host's data loading; time to train counts training only (the logs'
+    evaluations are excluded).
 
     .venv/bin/python bench/run.py --only mlperf
 """
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
 import re
@@ -45,7 +59,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,15 +70,40 @@ from bench.calibration.mlperf_logs import IMAGENET_TRAIN, SEQUENCES_PER_ROW  # n
 _CONFIGURATION = {"ResNet-50": "resnet50", "BERT-Large": "bert-large"}
 
 _RESNET_CFG = "Graphcore/benchmarks/resnet/implementations/tensorflow/configs.yml"
-#: BERT configurations: (round, chip, replicas, pipeline stages, rows per micro-batch,
-#: micro-batches per update, offload (None: where an IPU needs it), its configuration file)
+
+
+class _BertRun(NamedTuple):
+    """A BERT submission's configuration (bench/fit_cases.json, the three BERT MLPerf cases):
+    only the options its configuration file and application code set."""
+
+    version: str
+    chip: str
+    replicas: int
+    placement: str          # the config's layers_per_ipu or att_ffn_placement, as written
+    micro: int              # packed rows per micro-batch (batch_size)
+    accumulation: int       # micro-batches per weight update (gradient_accumulation_factor)
+    offload: bool | None    # optimizer state off chip (optimizer_state_offchip)
+    sharding: bool          # replicated tensor sharding of the offloaded state
+    vocab: int              # vocab_length
+    amp: float              # availableMemoryProportion of the encoder matmuls (see _BERT_AMP)
+    path: str               # the configuration file
+
+
+_BERT_V1 = "Graphcore/benchmarks/bert/implementations/popart/configs/mk2/pod16-closed.json"
+#: The rounds. v1.0 sets availableMemoryProportion per IPU, [0.20, 0.20, 0.25, 0.25]; the
+#: estimate takes one for every matmul, so v1.0 uses that of its fullest IPU (IPU 1, 0.20:
+#: bench/results/mlperf.json). v2.0 keeps its optimizer state on chip, sharded over its 2
+#: replicas (RTS with TensorStorage.OnChip); Graphcore's TensorFlow shards only offloaded
+#: state (``replicated_optimizer_state_sharding``), so here it is on chip and whole.
 _BERT = (
-    ("v1.0", "ipu2", 4, "4-IPU [3, 7, 7, 7]", 2, 192, True,
-     "Graphcore/benchmarks/bert/implementations/popart/configs/mk2/pod16-closed.json"),
-    ("v1.1", "ipu2", 4, "4-IPU [3, 7, 7, 7]", 2, 192, True,
-     "Graphcore/benchmarks/bert/implementations/popart/configs/mk2/pod16-closed.json"),
-    ("v2.0", "bow", 2, "8-IPU att_ffn_placement", 3, 256, None,
-     "Graphcore/benchmarks/bert/implementations/popart/configs/pod16-closed.json"),
+    _BertRun("v1.0", "ipu2", 4, "4-IPU layers_per_ipu [3, 7, 7, 7]", 2, 192, True, True, 30400,
+             0.20, _BERT_V1),
+    _BertRun("v1.1", "ipu2", 4, "4-IPU att_ffn_placement [[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], "
+             "[0, [4, 5]]]", 2, 192, True, True, 30912, 0.23, _BERT_V1),
+    _BertRun("v2.0", "bow", 2, "8-IPU att_ffn_placement [[1, [3, 3]], [2, [4, 3]], [3, [3, 3]], "
+             "[4, [3, 4]], [5, [4, 3]], [6, [3, 4]], [7, [4, 3]], [0, [0, 1]]]", 3, 256, False,
+             False, 30912, 0.3,
+             "Graphcore/benchmarks/bert/implementations/popart/configs/pod16-closed.json"),
 )
 _FRAMEWORK = {"resnet": "TensorFlow", "bert": "PopART"}  # the configurations stated here
 _POD16 = {"ipu2": ("pod16", ("IPU-POD16",)), "bow": ("bow-pod16", ("Bow Pod16", "Bow-Pod16"))}
@@ -163,50 +202,115 @@ def _resnet50(accumulation: int) -> Any:
     return model
 
 
-def _bert_stages(names: list[str], placement: str) -> list[int]:
-    """A stage for each layer call of tf_ipu.models.bert's classifier, as the submission places
-    them: ``4-IPU [3, 7, 7, 7]`` (whole encoder layers) or ``8-IPU att_ffn_placement`` (v2.0:
-    the embedding alone on stage 0, then per stage (attention blocks, feed-forward blocks):
-    (3, 3), (4, 3), (3, 3), (3, 4), (4, 3), (3, 4), (4, 3); the submission's last feed-forward
-    block, on IPU 0 with the embedding there, is on the last stage here)."""
-    if placement.startswith("4-IPU"):
-        bounds = [3, 10, 17, 24]
-        att = ffn = [next(s for s, b in enumerate(bounds) if i < b) for i in range(24)]
+#: v2.0's att_ffn_placement, for the name the bench gave it before it printed the list.
+_V20_PLACEMENT = ("8-IPU att_ffn_placement [[1, [3, 3]], [2, [4, 3]], [3, [3, 3]], [4, [3, 4]], "
+                  "[5, [4, 3]], [6, [3, 4]], [7, [4, 3]], [0, [0, 1]]]")
+
+
+class _BertLayout(NamedTuple):
+    """Where a submission puts BERT's blocks: the pipeline stage of each layer's attention and
+    feed-forward block, and the IPU of each stage (its last stage holds the heads, on IPU 0)."""
+
+    att: list[int]
+    ffn: list[int]
+    ipus: list[int]
+
+
+def _bert_layout(placement: str, layers: int = 24) -> _BertLayout:
+    """``placement`` as the submissions' bert_model.py reads it (bench/fit_cases.json):
+
+    - ``layers_per_ipu [..]`` (v1.0, ``encoder_start_ipu`` 0): whole layers, IPU i's in stage
+      i, the embedding with IPU 0's; the heads in a final stage on IPU 0;
+    - ``att_ffn_placement [[ipu, [attention blocks, feed-forward blocks]], ..]`` (v1.1, v2.0,
+      ``encoder_start_pipeline_stage`` 1): the embedding alone in stage 0 on IPU 0, entry p in
+      stage 1 + p; the heads in the last entry's stage if it is on IPU 0, else in one more.
+
+    The names the bench used before, ``4-IPU [3, 7, 7, 7]`` and ``8-IPU att_ffn_placement``,
+    still mean v1.0's and v2.0's."""
+    if "att_ffn_placement" in placement and "[" not in placement:
+        placement = _V20_PLACEMENT
+    spec = json.loads(placement[placement.index("["):])
+    if "att_ffn_placement" in placement:
+        att = [1 + p for p, (_, (a, _)) in enumerate(spec) for _ in range(a)]
+        ffn = [1 + p for p, (_, (_, f)) in enumerate(spec) for _ in range(f)]
+        ipus = [0] + [int(ipu) for ipu, _ in spec] + ([0] if spec[-1][0] != 0 else [])
     else:
-        att, ffn = [], []
-        for stage, (a, f) in enumerate(((3, 3), (4, 3), (3, 3), (3, 4), (4, 3), (3, 4), (4, 3)), 1):
-            att += [stage] * a
-            ffn += [stage] * f
-        ffn.append(7)  # the 24th feed-forward block
-    stages, last = [], 0
+        att = ffn = [ipu for ipu, n in enumerate(spec) for _ in range(n)]
+        ipus = list(range(len(spec))) + [0]
+    if len(att) != layers or len(ffn) != layers:
+        raise ValueError(f"{placement}: places {len(att)} attention and {len(ffn)} feed-forward "
+                         f"blocks, not {layers}")
+    return _BertLayout(att, ffn, ipus)
+
+
+def _bert_stages(names: list[str], placement: str) -> list[int]:
+    """A stage for each layer call of tf_ipu.models.bert's classifier, as ``placement`` puts
+    them (``_bert_layout``): a layer's attention block (its attention, residual add, norm and
+    checkpoint) and its feed-forward block each in their stage, the embedding in stage 0, the
+    pooler and classifier (the heads) in the last stage."""
+    layout = _bert_layout(placement)
+    stages = []
     for name in names:
         m = re.match(r"layer_(\d+)_(attention|intermediate|output)", name)
         if m:
-            last = (att if m.group(2) == "attention" else ffn)[int(m.group(1))]
-        elif not name.startswith(("token_", "position_", "embedding")):
-            last = max(last, att[-1], ffn[-1])  # pooler and head: the last stage
-        stages.append(last)
+            stages.append((layout.att if m.group(2) == "attention" else layout.ffn)[int(m.group(1))])
+        elif name.startswith(("token_", "position_", "embedding")):
+            stages.append(0)
+        else:
+            stages.append(len(layout.ipus) - 1)
     return stages
 
 
-def _bert(placement: str, micro_batches: int, offload: bool | None) -> Any:
+def _bert_checkpoints(placement: str) -> set[tuple[int, str]]:
+    """The blocks whose outputs the submission checkpoints (``checkpointOutput``), as
+    ``(layer, "attention" | "ffn")``: with ``layers_per_ipu`` (v1.0, ``should_checkpoint``,
+    ``recompute_checkpoint_every_layer`` by default) every layer's output but the last on each
+    IPU; with ``att_ffn_placement`` (v1.1, v2.0: ``should_checkpoint_att`` / ``_ffn``) the
+    attention outputs in the last stage, and each feed-forward output unless it is the last
+    on its IPU and the next attention is on another IPU (layer 23's always)."""
+    layout = _bert_layout(placement)
+    n, last = len(layout.att), len(layout.ipus) - 1
+    if "att_ffn_placement" not in placement:
+        return {(i, "ffn") for i in range(n - 1) if layout.ffn[i + 1] == layout.ffn[i]}
+    att_ipu = [layout.ipus[s] for s in layout.att]
+    ffn_ipu = [layout.ipus[s] for s in layout.ffn]
+    marks = {(i, "attention") for i in range(n) if layout.att[i] == last}
+    marks |= {(i, "ffn") for i in range(n) if i == n - 1 or ffn_ipu[i] == ffn_ipu[i + 1]
+              or ffn_ipu[i] == att_ipu[i + 1]}
+    return marks
+
+
+def _bert(placement: str, micro_batches: int, offload: bool | None, *, vocab: int = 30400,
+          sharding: bool = True, checkpoints: bool = False, fp16_softmax: bool = True) -> Any:
+    """BERT-Large (24 layers, hidden 1024, 16 heads, sequence 512) as a submission defines it,
+    where Keras expresses it: ``placement``'s stages (``_bert_stages``) and IPUs, LAMB, the
+    optimizer state where ``offload`` and ``sharding`` put it; with ``checkpoints`` the
+    submission's recomputation checkpoints (``_bert_checkpoints``; PopART's
+    RecomputationType.Pipeline: Graphcore's RecomputeAndBackpropagateInterleaved, with the
+    Grouped schedule), with ``fp16_softmax`` the attention probabilities in FP16 as PopART's
+    BERT keeps them (``bert_encoder(softmax_in_compute_dtype=True)``). Dropout off; a 2-class
+    head (module docstring)."""
     import keras
 
     import tf_ipu
     from tf_ipu.models.bert import bert_classifier, bert_encoder
+    from tf_ipu.pipelining import RecomputationMode
 
+    marks = _bert_checkpoints(placement) if checkpoints else None
     with tf_ipu.IPUStrategy().scope():
         model = bert_classifier(bert_encoder(layers=24, hidden=1024, heads=16, seq_len=512,
-                                             vocab=30400, dropout=0.0), classes=2)
+                                             vocab=vocab, dropout=0.0, checkpoints=marks,
+                                             softmax_in_compute_dtype=fp16_softmax), classes=2)
         model.compile(optimizer=keras.optimizers.Lamb(2e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         names = [a.layer.name for a in model.get_pipeline_stage_assignment()]
-        stages = _bert_stages(names, placement)
-        model.set_pipeline_stage_assignment(stages)
+        model.set_pipeline_stage_assignment(_bert_stages(names, placement))
+        options: dict[str, Any] = {"offload_weight_update_variables": offload,
+                                   "replicated_optimizer_state_sharding": sharding}
+        if marks:
+            options["recomputation_mode"] = RecomputationMode.RecomputeAndBackpropagateInterleaved
         model.set_pipelining_options(gradient_accumulation_steps_per_replica=micro_batches,
-                                     device_mapping=list(range(max(stages) + 1)),
-                                     offload_weight_update_variables=offload,
-                                     replicated_optimizer_state_sharding=True)
+                                     device_mapping=_bert_layout(placement).ipus, **options)
     return model
 
 
@@ -220,13 +324,17 @@ def _ratio_row(what: str, version: str, chip: str, measured: dict[str, Any], tpu
           f"{'fits' if est.fits else 'DOES NOT FIT (peak tile ' + format(est.peak_tile_bytes, ',') + ' B)'}")
     print(f"    time to train measured {measured['time_to_train_s']:,.0f} s, estimated (training "
           f"only) {ttt:,.0f} s: ratio {r_ttt:.3f}   [{seconds:.0f} s to estimate]")
-    print(f"    {est.expected_error_summary()}")
+    from device_server.emulator import calibration
+
+    # Estimate (a pipeline's, without steps) and TrainingEstimate both carry expected_error.
+    expected = calibration.describe(est.expected_error)
+    print(f"    {expected}")
     return {"benchmark": what, "round": version, "chip": chip, "configuration": config,
             "measured_throughput": measured["throughput"], "estimated_throughput": tput,
             "throughput_ratio": r_tput, "measured_time_to_train_s": measured["time_to_train_s"],
             "estimated_time_to_train_s": ttt, "time_to_train_ratio": r_ttt, "fits": est.fits,
             "peak_tile_bytes": est.peak_tile_bytes, "runs": measured["runs"],
-            "expected_error": est.expected_error_summary(), "estimate_seconds": seconds,
+            "expected_error": expected, "estimate_seconds": seconds,
             "run": f"{what} {version}", "configuration_key": f"{_CONFIGURATION[what]}/{chip}",
             "cycles": e2e.breakdown(est, shares.by_id, shares.programs)}
 
@@ -255,28 +363,109 @@ def _resnet_rows() -> list[dict[str, Any]]:
     return rows
 
 
+@contextlib.contextmanager
+def _checkpoint_stash() -> Iterator[dict[str, list[Any]]]:
+    """Records, for the pipelined estimate planned inside, per stage and tile: the bytes of
+    its recomputation checkpoints alone (``"checkpoints"``: the tile model's input checkpoints,
+    stage inputs and checkpoints, ``tiles.pipeline._stash``, less those it finds with the
+    checkpoints unmarked, the stage inputs) and of its optimizer state (``"state"``,
+    ``tiles.pipeline._optimizer_state``). Read-only: the estimate is unchanged."""
+    from device_server.emulator.tiles import pipeline
+
+    found: dict[str, list[Any]] = {}
+    original, state_of = pipeline._stash, pipeline._optimizer_state
+
+    def state(*args: Any, **kwargs: Any) -> Any:
+        found["state"] = state_of(*args, **kwargs)
+        return found["state"]
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        marked = pipeline._recomputation
+        pipeline._recomputation = lambda *a, **k: (set(), {})
+        try:
+            inputs = original(*args, **kwargs)[1]
+        finally:
+            pipeline._recomputation = marked
+        found["checkpoints"] = [both - alone for both, alone in zip(out[1], inputs, strict=True)]
+        return out
+
+    pipeline._stash, pipeline._optimizer_state = recording, state
+    try:
+        yield found
+    finally:
+        pipeline._stash, pipeline._optimizer_state = original, state_of
+
+
+def _unexpressed(est: Any, found: dict[str, list[Any]], replicas: int) -> dict[str, int]:
+    """What v2.0's two options Keras cannot express would save on the fullest IPU's fullest
+    tile (``est.peak_tile`` of ``est.peak_ipu``):
+
+    - ``fp8``: FP8 activation checkpoints (``activation_checkpoint_dtype FLOAT8``: each
+      checkpoint not on the last pipeline stage cast to one byte an element): half of the
+      FP16 checkpoints its recomputed stages stash for their micro-batches in flight;
+    - ``sharding``: the optimizer state on chip sharded over the replicas (RTS with
+      TensorStorage.OnChip; Graphcore's TensorFlow shards only offloaded state): all but
+      1/replicas of the IPU's optimizer state on that tile."""
+    ipu, tile = int(est.peak_ipu), int(est.peak_tile)
+    last = len(est.stages) - 1
+    mine = [s for s in est.stages if s["ipu"] == ipu]
+    fp8 = sum((s["in_flight"] - 1) * float(found["checkpoints"][s["stage"]][tile]) / 2
+              for s in mine if s["stage"] != last and s["recomputation"])
+    state = sum(float(found["state"][s["stage"]][tile]) for s in mine) if "state" in found else 0.0
+    return {"fp8": int(round(fp8)), "sharding": int(round(state * (1 - 1 / replicas)))}
+
+
 def _bert_rows() -> list[dict[str, Any]]:
     import tf_ipu
 
-    rows, cache, captured = [], {}, {}
-    for version, chip, replicas, placement, micro, accumulation, offload, path in _BERT:
-        system, names = _POD16[chip]
-        m = _measured("bert", version, names)
-        key = (chip, replicas, placement, micro, accumulation, offload)
+    rows = []
+    for run in _BERT:
+        system, names = _POD16[run.chip]
+        m = _measured("bert", run.version, names)
         t0 = time.perf_counter()
-        if key not in cache:  # v1.0 and v1.1 ran the same configuration
-            model = _bert(placement, accumulation, offload)
-            with _capturing() as captured[key]:
-                cache[key] = tf_ipu.estimate(model, micro, training=True, ipu_version=chip,
-                                             replicas=replicas, system=system,
-                                             recomputation=True, steps=1)
-        est = cache[key]
+        model = _bert(run.placement, run.accumulation, run.offload, vocab=run.vocab,
+                      sharding=run.sharding, checkpoints=True)
+        with _capturing() as captured, _checkpoint_stash() as stashed:
+            est = tf_ipu.estimate(model, run.micro, training=True, ipu_version=run.chip,
+                                  replicas=run.replicas, system=system, recomputation=True,
+                                  steps=1, available_memory_proportion={"matmul": run.amp})
         tput = est.throughput * SEQUENCES_PER_ROW  # rows/s -> sequences/s
         ttt = m["trained"] / tput
-        config = (f"{replicas} replicas x a {placement} pipeline, {micro} packed rows x "
-                  f"{accumulation} micro-batches, {m['trained']:,.0f} sequences ({path})")
-        rows.append(_ratio_row("BERT-Large", version, chip, m, tput, est, ttt, config,
-                               time.perf_counter() - t0, captured[key]))
+        config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
+                  f"rows x {run.accumulation} micro-batches, matmul availableMemoryProportion "
+                  f"{run.amp:g}, optimizer state {'offloaded' if run.offload else 'on chip'}"
+                  f"{', sharded' if run.sharding else ''}, checkpoints as submitted, FP16 "
+                  f"attention probabilities, {m['trained']:,.0f} sequences ({run.path})")
+        row = _ratio_row("BERT-Large", run.version, run.chip, m, tput, est, ttt, config,
+                         time.perf_counter() - t0, captured)
+        verdict = ("fits" if est.fits else "within the margin" if est.within_margin
+                   else "does not fit")
+        print(f"    peak tile {est.peak_tile_bytes:,} B (tile {est.peak_tile} of IPU "
+              f"{est.peak_ipu}): {verdict} ({est.tile_bytes_limit:,} B a tile, margin "
+              f"{est.margin_bytes:,} B)")
+        row.update({"peak_ipu": int(est.peak_ipu), "peak_tile": int(est.peak_tile),
+                    "within_margin": bool(est.within_margin), "margin_bytes": int(est.margin_bytes),
+                    "verdict": verdict, "matmul_available_memory_proportion": run.amp})
+        if run.version == "v2.0" and "checkpoints" in stashed:
+            saved = _unexpressed(est, stashed, run.replicas)
+            where = f"on tile {est.peak_tile} of IPU {est.peak_ipu}"
+            notes = [f"not expressible: FP8 activation checkpoints, would save {saved['fp8']:,} B "
+                     f"{where}",
+                     f"not expressible: optimizer state sharded on chip over {run.replicas} "
+                     f"replicas, would save {saved['sharding']:,} B {where}"]
+            over = est.peak_tile_bytes - est.tile_bytes_limit
+            for note in notes:
+                print(f"    {note}")
+            if over > 0:
+                both = saved["fp8"] + saved["sharding"]
+                print(f"    the excess is {over:,} B: FP8 checkpoints alone "
+                      f"{'account' if saved['fp8'] >= over else 'do not account'} for it; with "
+                      f"the sharding ({both:,} B) it is "
+                      f"{'accounted for' if both >= over else 'not accounted for'}")
+            row.update({"not_expressible": notes, "fp8_checkpoint_saving_bytes": saved["fp8"],
+                        "on_chip_sharding_saving_bytes": saved["sharding"]})
+        rows.append(row)
     return rows
 
 

@@ -42,6 +42,7 @@ BENCHES = {
     "calibration": lambda quick: __import__("bench.bench_calibration", fromlist=["main"]).main(quick),
     "mlperf": lambda quick: __import__("bench.bench_mlperf", fromlist=["main"]).main(quick),
     "onnx": lambda quick: __import__("bench.bench_onnx", fromlist=["main"]).main(quick),
+    "fit_cases": lambda quick: __import__("bench.bench_fit_cases", fromlist=["main"]).main(quick),
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -131,13 +131,40 @@ def test_mlperf_bert_stage_placements():
         names += [f"layer_{i}_attention", f"layer_{i}_attention_norm", f"layer_{i}_intermediate",
                   f"layer_{i}_output", f"layer_{i}_output_norm"]
     names += ["get_item", "pooler", "classifier"]
+
+    def blocks(stages: list[int], suffix: str) -> Counter:
+        return Counter(s for n, s in zip(names, stages, strict=True) if n.endswith(suffix))
+
+    # v1.0: layers_per_ipu, stage = IPU, the heads in a fifth stage on IPU 0.
     four = _bert_stages(names, "4-IPU [3, 7, 7, 7]")
-    assert four[:3] == [0, 0, 0] and four[-3:] == [3, 3, 3] and four == sorted(four)
-    per_stage = Counter(s for n, s in zip(names, four, strict=True) if n.endswith("_attention"))
-    assert [per_stage[s] for s in range(4)] == [3, 7, 7, 7]
+    assert four[:3] == [0, 0, 0] and four[-3:] == [4, 4, 4] and four == sorted(four)
+    assert [blocks(four, "_attention")[s] for s in range(4)] == [3, 7, 7, 7]
+    # v1.1: the embedding alone in stage 0, half-layers, the last blocks and heads in stage 4.
+    v11 = "4-IPU att_ffn_placement [[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], [0, [4, 5]]]"
+    five = _bert_stages(names, v11)
+    assert five[:3] == [0, 0, 0] and five[3] == 1 and five[-3:] == [4, 4, 4] and five == sorted(five)
+    assert [blocks(five, "_attention")[s] for s in range(1, 5)] == [7, 6, 7, 4]
+    assert [blocks(five, "_intermediate")[s] for s in range(1, 5)] == [6, 7, 6, 5]
+    # v2.0: 9 stages, layer 23's feed-forward block and the heads in stage 8 (IPU 0).
     eight = _bert_stages(names, "8-IPU att_ffn_placement")
-    att = Counter(s for n, s in zip(names, eight, strict=True) if n.endswith("_attention"))
-    ffn = Counter(s for n, s in zip(names, eight, strict=True) if n.endswith("_intermediate"))
-    assert eight[:3] == [0, 0, 0] and eight == sorted(eight) and max(eight) == 7
-    assert [att[s] for s in range(1, 8)] == [3, 4, 3, 3, 4, 3, 4]
-    assert [ffn[s] for s in range(1, 8)] == [3, 3, 3, 4, 3, 4, 4]  # the 24th on the last stage
+    assert eight[:3] == [0, 0, 0] and eight == sorted(eight) and max(eight) == 8
+    assert [blocks(eight, "_attention")[s] for s in range(1, 9)] == [3, 4, 3, 3, 4, 3, 4, 0]
+    assert [blocks(eight, "_intermediate")[s] for s in range(1, 9)] == [3, 3, 3, 4, 3, 4, 3, 1]
+
+
+def test_mlperf_bert_checkpoints_and_ipus():
+    """The submissions' checkpoint rules (bert_model.py) and device mappings."""
+    from bench.bench_mlperf import _BERT, _bert_checkpoints, _bert_layout
+
+    v10, v11, v20 = (r.placement for r in _BERT)
+    # v1.0: every layer's output but the last on each IPU.
+    assert _bert_checkpoints(v10) == {(i, "ffn") for i in range(23) if i not in (2, 9, 16)}
+    assert _bert_layout(v10).ipus == [0, 1, 2, 3, 0]
+    # v1.1: attention outputs in the last stage (layers 20-23); every feed-forward output but
+    # layer 12's (the last on IPU 2, layer 13's attention on IPU 3).
+    assert _bert_checkpoints(v11) == ({(i, "attention") for i in range(20, 24)}
+                                      | {(i, "ffn") for i in range(24) if i != 12})
+    assert _bert_layout(v11).ipus == [0, 1, 2, 3, 0]
+    # v2.0: no attention block in the last stage; feed-forward outputs but layers 2, 12 and 19.
+    assert _bert_checkpoints(v20) == {(i, "ffn") for i in range(24) if i not in (2, 12, 19)}
+    assert _bert_layout(v20).ipus == [0, 1, 2, 3, 4, 5, 6, 7, 0]

@@ -28,17 +28,18 @@ def _modes():
     return ipu.ops.pipelining_ops.PipelineSchedule, ipu.ops.pipelining_ops.RecomputationMode
 
 
-def _conv_stack(checkpoints: bool, stages: int = 1):
-    """Eight 3x3 convolutions over 32 x 32 x 16 images; with ``checkpoints`` a
-    ``RecomputationCheckpoint`` after every second one (three in all), the stack cut into
-    ``stages`` pipeline stages on IPU 0 (Graphcore's ResNet-50 recipe keeps them on one IPU)."""
+def _conv_stack(checkpoints: bool, stages: int = 1, convs: int = 8):
+    """``convs`` 3x3 convolutions over 32 x 32 x 16 images; with ``checkpoints`` a
+    ``RecomputationCheckpoint`` after every second one of the first eight (three in all), the
+    stack cut into ``stages`` pipeline stages on IPU 0 (Graphcore's ResNet-50 recipe keeps
+    them on one IPU)."""
     import keras
     from ipu_tensorflow_addons.keras.layers import RecomputationCheckpoint
 
     import tf_ipu
 
     schedule, mode = _modes()
-    per = 8 // stages
+    per = convs // stages
     with tf_ipu.IPUStrategy().scope():
         x = inp = keras.Input((32, 32, 16))
         for stage in range(stages):
@@ -90,8 +91,9 @@ def test_checkpoints_bound_a_one_stage_pipelines_liveness(tf) -> None:
 def test_sequential_stages_on_one_ipu_are_recomputed_from_their_inputs(tf) -> None:
     """Graphcore's MLPerf ResNet-50 layout: stages on one IPU, the Sequential schedule,
     recomputation on. Every stage but the last keeps only its input through the others'
-    work, so the IPU's fullest tile drops; the last stage is not recomputed."""
-    model = _conv_stack(False, stages=4)
+    work, so the IPU's fullest tile drops; the last stage is not recomputed. (The stages run
+    one after the other, as Poplar runs each stage's program: forwards, then backwards.)"""
+    model = _conv_stack(False, stages=4, convs=24)
     kept = _estimate(model, False)
     recomputed = _estimate(model, True)
     assert recomputed.pipeline_stages == 4 and len(recomputed.ipus) == 1

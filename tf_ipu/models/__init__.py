@@ -3,7 +3,7 @@
     from tf_ipu.models import bert_classifier, bert_encoder, resnext
 """
 
-from tf_ipu.models.bert import PositionEmbedding, bert_classifier, bert_encoder
+from tf_ipu.models.bert import FP16Attention, PositionEmbedding, bert_classifier, bert_encoder
 from tf_ipu.models.resnext import resnext
 
-__all__ = ["PositionEmbedding", "bert_classifier", "bert_encoder", "resnext"]
+__all__ = ["FP16Attention", "PositionEmbedding", "bert_classifier", "bert_encoder", "resnext"]

@@ -5,6 +5,8 @@
 
 Sections: summary (preset, latency, throughput, cycles by phase, memory), memory per tile
 across the chip by category (stacked, every tile), the fullest tile's largest contributors,
+its liveness over the program's steps (``report["liveness"]``: bytes per step against the
+SRAM and the margin, the peak marked, the tensors live there),
 top operations by cycles (with their Keras layer), cycles by layer, the BSP timeline
 (compute / sync / exchange of each superstep, loops marked; IPU-Links for the all-reduces
 and replica syncs of a replicated program), the replicas with their ring and host link, the
@@ -294,6 +296,182 @@ def _pipeline(report: dict[str, Any]) -> str:
             "and a sync; the weight update follows the last slot).</p>")
 
 
+_PHASES = {"F": ("forward", "#4e79a7"), "B": ("backward", "#f28e2b"), "U": ("weight update", "#59a14f"),
+           "": ("not-always-live", "#76b7b2")}
+_STAGE_COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
+_HOVER_COLUMNS = 320  # at most this many hover boxes over the liveness chart
+
+
+def _liveness_chart(report: dict[str, Any]) -> str:
+    """The liveness view: the fullest tile's bytes over the program's steps (an area, by
+    phase, over the always-live bytes and a pipeline's stash), the tile's SRAM and the
+    margin, the peak marked; then the tensors live at the peak and the steps around it."""
+    lv: dict[str, Any] = report.get("liveness") or {}
+    pts: list[list[Any]] = lv.get("points") or []
+    if not pts:
+        return "<p>No liveness trace in this report.</p>"
+    n = max(int(lv.get("positions") or 0), int(pts[-1][0]) + 1)
+    bucket = max(1, int(lv.get("bucket") or 1))
+    limit = float(report.get("tile_bytes_limit") or 0)
+    margin = float(report.get("margin_bytes") or 0.05 * limit)
+    base = float(lv.get("always_live_bytes", 0)) - float(lv.get("offloaded_bytes", 0))
+    extra = float(lv.get("extra_bytes", 0))
+    peak = lv.get("peak") or {}
+    peak_pos, peak_bytes = int(peak.get("position", -1)), float(peak.get("bytes", 0))
+    highest = max(float(p[1]) for p in pts)
+    # A tile far below its SRAM is drawn to its own scale (the SRAM line off the chart, said).
+    off_scale = bool(limit) and highest < 0.25 * limit
+    top = (highest * 1.15 if off_scale else max(highest, limit + margin) * 1.08) or 1.0
+    stages = sorted({int(p[5]) for p in pts if int(p[5]) >= 0})
+    strip = 10 if len(stages) > 1 else 0
+    h, left, right = 300 + strip, 76, 10
+    pw, ph, y0 = _W - left - right, 250, 12
+
+    def x(pos: float) -> float:
+        return left + pw * min(max(pos, 0.0), n) / n
+
+    def y(v: float) -> float:
+        return y0 + ph * (1 - max(v, 0.0) / top)
+
+    def span(j: int) -> tuple[float, float]:  # the steps the j-th kept point stands for
+        start = int(pts[j][0]) // bucket * bucket
+        return x(start), x(min(n, start + bucket))
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">',
+           f'<rect x="{left}" y="{y0}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>']
+    if base > 0:
+        out.append(f'<rect x="{left}" y="{y(base):.1f}" width="{pw}" height="{y(0) - y(base):.1f}" '
+                   f'fill="#bab0ac"><title>always live: {base:,.0f} B</title></rect>')
+    if extra > 0:
+        out.append(f'<rect x="{left}" y="{y(base + extra):.1f}" width="{pw}" '
+                   f'height="{y(base) - y(base + extra):.1f}" fill="#edc948"><title>stashed '
+                   f'micro-batches: {extra:,.0f} B at every step</title></rect>')
+    floor = y(base + extra)
+    runs: list[tuple[str, list[int]]] = []
+    for j, p in enumerate(pts):  # consecutive points of one phase make one polygon
+        letter = str(p[6]) if str(p[6]) in _PHASES else ""
+        if runs and runs[-1][0] == letter:
+            runs[-1][1].append(j)
+        else:
+            runs.append((letter, [j]))
+    for letter, idx in runs:
+        edge = []
+        for j in idx:
+            a, b = span(j)
+            edge += [f"{a:.2f},{y(float(pts[j][1])):.1f}", f"{b:.2f},{y(float(pts[j][1])):.1f}"]
+        a, b = span(idx[0])[0], span(idx[-1])[1]
+        name, color = _PHASES[letter]
+        out.append(f'<polygon fill="{color}" fill-opacity="0.85" points="{a:.2f},{floor:.1f} '
+                   f'{" ".join(edge)} {b:.2f},{floor:.1f}"><title>{_e(name)}</title></polygon>')
+    if strip:
+        for j, p in enumerate(pts):
+            if int(p[5]) < 0:
+                continue
+            a, b = span(j)
+            out.append(f'<rect x="{a:.2f}" y="{y0 + ph + 2}" width="{max(b - a, 0.3):.2f}" '
+                       f'height="{strip - 3}" fill="{_STAGE_COLORS[int(p[5]) % len(_STAGE_COLORS)]}"/>')
+    backward = (lv.get("phase_starts") or {}).get("B")
+    if backward is not None:
+        bx = x(float(backward))
+        out.append(f'<line x1="{bx:.1f}" x2="{bx:.1f}" y1="{y0}" y2="{y0 + ph}" stroke="#555" '
+                   f'stroke-dasharray="3 3"/><text x="{bx + 3:.1f}" y="{y0 + 12}" class="ax">'
+                   f'backward from step {int(backward):,}</text>')
+    for v, dash, color, label in ((limit, "6 3", "#000", f"SRAM per tile {_fmt_bytes(limit)}"),
+                                  (limit + margin, "2 3", "#d00",
+                                   f"+ margin {_fmt_bytes(margin)}")):
+        if limit and not off_scale:
+            out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
+                       f'stroke="{color}" stroke-dasharray="{dash}"/><text x="{left + pw - 4}" '
+                       f'y="{y(v) - 3:.1f}" class="ax" text-anchor="end">{_e(label)}</text>')
+    if off_scale:
+        out.append(f'<text x="{left + pw - 4}" y="{y0 + 12}" class="ax" text-anchor="end">SRAM per '
+                   f'tile {_e(_fmt_bytes(limit))} (+ margin {_e(_fmt_bytes(margin))}) is above this '
+                   f'scale: the peak is {highest / limit:.1%} of it</text>')
+    # Hover boxes: each the fullest kept point of its column.
+    per = max(1, -(-len(pts) // _HOVER_COLUMNS))
+    for j0 in range(0, len(pts), per):
+        j = max(range(j0, min(len(pts), j0 + per)), key=lambda i: float(pts[i][1]))
+        a, b = span(j0)[0], span(min(len(pts), j0 + per) - 1)[1]
+        p = pts[j]
+        what = ", ".join(str(v) for v in (p[3], p[4]) if v)
+        tip = (f"step {int(p[0]):,}: {p[2]}" + (f" ({what})" if what else "")
+               + (f", stage {p[5]}" if strip else "")
+               + (f", {_PHASES[p[6]][0]}" if p[6] in _PHASES and p[6] else "")
+               + f": {float(p[1]):,.0f} B")
+        out.append(f'<rect x="{a:.2f}" y="{y0}" width="{max(b - a, 0.3):.2f}" height="{ph}" '
+                   f'fill="#000" fill-opacity="0"><title>{_e(tip)}</title></rect>')
+    if peak_pos >= 0:
+        px, py = x(peak_pos + 0.5), y(peak_bytes)
+        right_side = px > left + 0.6 * pw
+        tx, anchor = (px - 6, "end") if right_side else (px + 6, "start")
+        what = ", ".join(str(v) for v in (peak.get("opcode"), peak.get("layer")) if v)
+        label = (f"peak {peak_bytes:,.0f} B at step {peak_pos:,}: {peak.get('name', '')}"
+                 + (f" ({what})" if what else ""))
+        out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="#d00"><title>{_e(label)}'
+                   f'</title></circle><text x="{tx:.1f}" y="{max(py - 6, y0 + 24):.1f}" class="ax" '
+                   f'fill="#d00" text-anchor="{anchor}">peak {peak_bytes:,.0f} B, step {peak_pos:,}: '
+                   f'{_e(str(peak.get("name", ""))[:48])}</text>')
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        out.append(f'<text x="{left - 4}" y="{y(top * frac) + 4:.1f}" class="ax" text-anchor="end">'
+                   f'{_e(_fmt_bytes(top * frac))}</text>')
+        anchor = "start" if frac == 0 else "end" if frac == 1 else "middle"
+        out.append(f'<text x="{x(n * frac):.1f}" y="{h - 6}" class="ax" text-anchor="{anchor}">'
+                   f'{int(round((n - 1) * frac)):,}</text>')
+    out.append("</svg>")
+    keys = [letter for letter in ("F", "B", "U", "") if any(r[0] == letter for r in runs)]
+    legend = "".join(
+        f'<span class="key"><span class="swatch" style="background:{c}"></span>{_e(t)}</span>'
+        for c, t in ([("#bab0ac", "always live")] if base > 0 else [])
+        + ([("#edc948", "stash (constant)")] if extra > 0 else [])
+        + [(_PHASES[k][1], _PHASES[k][0]) for k in keys]
+        + [(_STAGE_COLORS[st % len(_STAGE_COLORS)], f"stage {st} (strip)") for st in (stages if strip else [])])
+    return "".join(out) + f'<div class="legend">{legend}</div>'
+
+
+def _liveness(report: dict[str, Any]) -> str:
+    """The liveness section's text, chart and tables."""
+    lv: dict[str, Any] = report.get("liveness") or {}
+    if not lv.get("points"):
+        return ("<p>No liveness trace in this report (made by the tile model's estimate of a "
+                "program; not for one whose fit is unknown).</p>")
+    n = int(lv.get("positions") or 0)
+    bucket = int(lv.get("bucket") or 1)
+    order = {"scheduled": "the memory-aware schedule", "hlo": "HLO order"}.get(
+        str(lv.get("order")), str(lv.get("order")))
+    cats = lv.get("always_live") or {}
+    always = ", ".join(f"{c} {int(b):,} B" for c, b in cats.items())
+    peak = lv.get("peak") or {}
+    text = (f"<p>Bytes on tile {_e(lv.get('tile'))}"
+            + (f" of IPU {_e(lv.get('ipu'))}" if int(report.get("pipeline_stages") or 1) > 1 else "")
+            + f" at each of the program's {n:,} steps (the entry computation's instructions in "
+            f"{_e(order)}, the order the estimate counted, then its end), as PopVision's liveness "
+            "report shows them: the always-live bytes (grey: "
+            f"{_e(always) or 'none'}) plus the tensors live at the step, its temporaries and the "
+            "peak of a loop or call it runs, coloured by phase. Its highest point is the tile's "
+            f"peak, {int(peak.get('bytes', 0)):,} B, at step {int(peak.get('position', 0)):,}."
+            + (f" Down-sampled: each point is the fullest of {bucket} consecutive steps." if bucket > 1
+               else "") + "</p>")
+    notes = "".join(f"<li>{_e(x)}</li>" for x in lv.get("notes") or [])
+    top = lv.get("top") or []
+    rows = [(c["name"], c.get("opcode", ""), c.get("layer", ""), c["kind"], f"{int(c['bytes']):,}",
+             c.get("where", "")) for c in top[:20]]
+    pts = lv.get("points") or []
+    at = next((j for j, p in enumerate(pts) if int(p[0]) == int(peak.get("position", -1))), None)
+    around = []
+    if at is not None:
+        for p in pts[max(0, at - 4):at + 5]:
+            around.append((f"{int(p[0]):,}" + (" (peak)" if p is pts[at] else ""), p[2], p[3], p[4],
+                           p[5] if int(p[5]) >= 0 else "", _PHASES.get(p[6], ("", ""))[0]
+                           if p[6] else "", f"{int(p[1]):,}"))
+    return (text + (f"<ul>{notes}</ul>" if notes else "") + _liveness_chart(report)
+            + f"<p>Live at the peak (step {int(peak.get('position', 0)):,}): "
+            f"{int(peak.get('not_always_live_bytes', 0)):,} B of tensors and temporaries, the "
+            "largest:</p>"
+            + _table(["tensor", "opcode", "Keras layer", "kind", "bytes", "inside"], rows)
+            + "<p>Steps around the peak" + (" (kept points)" if bucket > 1 else "") + ":</p>"
+            + _table(["step", "instruction", "opcode", "Keras layer", "stage", "phase", "bytes"], around))
+
+
 def _line_chart(points: list[tuple[float, float, bool]], ylabel: str, color: str, fmt: Any) -> str:
     if not points:
         return ""
@@ -538,6 +716,10 @@ def render_html(report: dict[str, Any]) -> str:
         + "</h2>",
         _table(["tensor", "opcode", "Keras layer", "kind", "bytes", "inside"], contrib_rows),
         _table(["Keras layer (or kind)", "bytes on the tile"], layer_rows),
+        f"<h2>Liveness (tile {_e((r.get('liveness') or {}).get('tile', r.get('peak_tile')))}"
+        + (f", IPU {_e((r.get('liveness') or {}).get('ipu', r.get('peak_ipu')))}"
+           if int(r.get("pipeline_stages") or 1) > 1 else "") + ")</h2>",
+        _liveness(r),
         "<h2>Top operations by cycles</h2>",
         _bars(top_rows, top_phases),
         _table(["instruction", "opcode", "Keras layer", "cycles", "compute", "exchange", "sync",

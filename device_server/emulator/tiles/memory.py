@@ -29,23 +29,29 @@ long as the original), and its stages' temporaries; the order is the whole progr
 The sweep walks the points once in their order with a per-tile running total (numpy vectors
 over the tiles) and keeps, for every tile, its peak and the position where it happens, so
 that the largest contributors on the fullest tile can be named.
+
+``liveness_trace(plan, profile)`` walks the same order again for one tile (the fullest) in
+scalars, counting as the sweep does, and keeps the bytes at every program point of the entry
+computation (the HTML report's liveness view): its maximum is that tile's peak.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from device_server.emulator.tiles.irinfo import layer_name
+from device_server.emulator.tiles.irinfo import layer_name, stage_of
 from device_server.emulator.tiles.liveness import Liveness, graph_of, hlo_liveness, liveness
-from device_server.emulator.tiles.plan import Buf, CompPlan, ModulePlan
+from device_server.emulator.tiles.mapping import TileMapping
+from device_server.emulator.tiles.plan import Buf, CompPlan, ModulePlan, Point
 from device_server.emulator.tiles.recompute import Recomputation
-from device_server.emulator.tiles.schedule import schedule
+from device_server.emulator.tiles.schedule import grouped, schedule
 
-__all__ = ["CATEGORIES", "Contributor", "IpuView", "MemoryProfile", "Schedule", "memory_schedule",
-           "profile_memory"]
+__all__ = ["CATEGORIES", "Contributor", "IpuView", "LivenessTrace", "MemoryProfile", "Schedule",
+           "liveness_trace", "memory_schedule", "profile_memory"]
 
 CATEGORIES = ("variables", "inputs", "constants", "code and vertex state", "exchange code",
               "activations", "temporaries")
@@ -94,6 +100,7 @@ class Schedule:
     chosen: dict[int, Liveness]          # id(CompPlan) -> its order
     wins: dict[str, int]                 # computations by the scheduler whose order won
     memo: dict[int, _Sweep]              # the whole program's sweeps in those orders
+    hlo: dict[int, Liveness] | None = None  # HLO order arranged as the schedule's (grouped)
 
 
 @dataclass
@@ -112,6 +119,7 @@ class MemoryProfile:
     hlo_order_peak_tile: int = 0
     schedulers: dict[str, int] = field(default_factory=dict)  # computations by winning order
     orders: Callable[[CompPlan], Liveness] | None = None      # the order kept, per computation
+    view: IpuView | None = None       # the IPU profiled (None: the whole program)
 
     def by_layer(self) -> list[tuple[str, int]]:
         """Contributors on the peak tile summed by Keras layer, largest first."""
@@ -233,11 +241,16 @@ class _Sweeper:
             self.contributors(best, tile, int(self(best).at[tile]), best.name, out)
 
 
-def memory_schedule(plan: ModulePlan, base: np.ndarray | None = None) -> Schedule:
+def memory_schedule(plan: ModulePlan, base: np.ndarray | None = None,
+                    group: Callable[[Point], int] | None = None) -> Schedule:
     """The memory-aware order of every computation of ``plan`` (see module docstring),
-    compared with ``base`` (the always-live bytes per tile; default: none) added."""
+    compared with ``base`` (the always-live bytes per tile; default: none) added. ``group``:
+    per program point, a group the order must run in ascending order where the graph allows
+    it (a pipeline's stages: forwards, backwards in reverse, the update; ``pipeline.py``),
+    applied to every candidate order, HLO order's too."""
     T = plan.target.tiles_per_ipu
     base = np.zeros(T) if base is None else base
+    hlo: dict[int, Liveness] | None = {} if group is not None else None
     chosen: dict[int, Liveness] = {}
     wins: dict[str, int] = {}
     sweeper = _Sweeper(T, lambda c: chosen[id(c)])
@@ -254,6 +267,14 @@ def memory_schedule(plan: ModulePlan, base: np.ndarray | None = None) -> Schedul
                   for p in ctx.points]
         graph, bufs = graph_of(ctx, callee, plan.overwrites if ctx is plan.entry else ())
         sweeps: dict[tuple[int, ...], _Sweep] = {}
+        arrange = None
+        if group is not None:
+            key = [group(p) for p in ctx.points]
+
+            def arrange(order: list[int]) -> list[int]:
+                return grouped(graph, order, key)
+
+            hlo[id(ctx)] = liveness(graph, bufs, arrange(list(range(len(ctx.points)))), "hlo")
 
         def evaluate(order: list[int]) -> tuple[float, float]:
             sw = sweeper.sweep(ctx, liveness(graph, bufs, order, ""))
@@ -261,13 +282,13 @@ def memory_schedule(plan: ModulePlan, base: np.ndarray | None = None) -> Schedul
             tot = base + sw.total
             return float(tot.max()), float(tot.sum())
 
-        order, name = schedule(graph, evaluate, within=_WITHIN)
+        order, name = schedule(graph, evaluate, within=_WITHIN, arrange=arrange)
         chosen[id(ctx)] = liveness(graph, bufs, order, name)
         sweeper.memo[id(ctx)] = sweeps[tuple(order)]
         wins[name] = wins.get(name, 0) + 1
 
     visit(plan.entry)
-    return Schedule(chosen, wins, sweeper.memo)
+    return Schedule(chosen, wins, sweeper.memo, hlo)
 
 
 def _always_live(plan: ModulePlan, view: IpuView | None) -> tuple[dict[str, np.ndarray], list[Buf]]:
@@ -307,7 +328,8 @@ def profile_memory(plan: ModulePlan, top: int = 12, *, order: str = "scheduled",
 
     def hlo_of(c: CompPlan) -> Liveness:
         if id(c) not in hlo:
-            hlo[id(c)] = hlo_liveness(c)
+            arranged = schedule.hlo if schedule is not None and schedule.hlo is not None else {}
+            hlo[id(c)] = arranged.get(id(c)) or hlo_liveness(c)
         return hlo[id(c)]
 
     sweeper = _Sweeper(T, hlo_of if recompute is None else recompute.wrap(hlo_of), view)
@@ -349,5 +371,197 @@ def profile_memory(plan: ModulePlan, top: int = 12, *, order: str = "scheduled",
         always_live_bytes=int(always.sum()), peak_not_always_live_bytes=int(sw.chip_peak),
         contributors=contributors[: max(top, 1) * 4], order=kept, schedulers=dict(wins),
         hlo_order_peak_bytes=int(np.ceil(hlo_total[hlo_tile])), hlo_order_peak_tile=hlo_tile,
-        orders=sweeper.live_of,
+        orders=sweeper.live_of, view=view,
+    )
+
+
+# ------------------------------------------------------------------------------ liveness trace
+
+#: Phases of the points in a liveness trace, by ``pipeline.phases``' names.
+_PHASE_LETTER = {"forward": "F", "backward": "B", "update": "U"}
+
+
+@dataclass
+class LivenessTrace:
+    """One tile's bytes at every program point of the entry computation, in the order the
+    profile kept (``liveness_trace``). ``points`` holds at most ``max_points`` of them (each
+    the fullest of a run of ``bucket`` consecutive positions): ``(position, bytes, name,
+    opcode, Keras layer, pipeline stage, phase)``, phase "F", "B", "U" or "" (not known); the
+    last position is the end of the program (its results live), named "(end)"."""
+
+    tile: int
+    positions: int                       # the entry's points + its end
+    bucket: int                          # positions per kept point (1: every one)
+    always_live: dict[str, int]          # always-live bytes on the tile by category
+    always_live_bytes: float             # ... their sum (every position holds them)
+    extra_bytes: float                   # constant over the steps (a pipeline's stash)
+    offloaded_bytes: float               # always-live bytes off the tile during the steps
+    points: list[tuple[int, int, str, str, str, int, str]]
+    peak_position: int
+    peak_bytes: int
+    peak_not_always_live_bytes: float    # of which live tensors and temporaries
+    top: list[Contributor]               # tensors and temporaries live at the peak
+    phase_starts: dict[str, int] = field(default_factory=dict)  # first position of each phase
+    order: str = "hlo"
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data (JSON-able); ``points`` as lists."""
+        peak = next((p for p in self.points if p[0] == self.peak_position), None)
+        return {
+            "tile": self.tile, "positions": self.positions, "bucket": self.bucket,
+            "order": self.order,
+            "always_live": dict(self.always_live),
+            "always_live_bytes": int(math.ceil(self.always_live_bytes)),
+            "extra_bytes": int(round(self.extra_bytes)),
+            "offloaded_bytes": int(round(self.offloaded_bytes)),
+            "points": [list(p) for p in self.points],
+            "peak": {"position": self.peak_position, "bytes": self.peak_bytes,
+                     "not_always_live_bytes": int(math.ceil(self.peak_not_always_live_bytes)),
+                     "name": peak[2] if peak else "", "opcode": peak[3] if peak else "",
+                     "layer": peak[4] if peak else "", "stage": peak[5] if peak else 0,
+                     "phase": peak[6] if peak else ""},
+            "top": [c.to_dict() for c in self.top],
+            "phase_starts": dict(self.phase_starts),
+        }
+
+
+class _TileWalk:
+    """``_Sweeper.sweep`` for one tile in scalars, in the same arithmetic (so that its peak is
+    the sweep's to the last bit), keeping the bytes at every position."""
+
+    def __init__(self, tile: int, live_of: LiveOf, view: IpuView | None) -> None:
+        self.tile = tile
+        self.live_of = live_of
+        self.view = view
+        self.memo: dict[int, tuple[float, float, float]] = {}
+
+    def peak(self, ctx: CompPlan) -> tuple[float, float, float]:
+        """(peak, tensors at it, temporaries at it) of ``ctx`` on the tile."""
+        key = id(ctx)
+        if key not in self.memo:
+            self.memo[key] = self.walk(ctx)[1]
+        return self.memo[key]
+
+    @staticmethod
+    def _covers(m: TileMapping, tile: int) -> bool:
+        """Whether a temporary on ``m``'s run of tiles is on ``tile`` (as ``covers`` adds)."""
+        return (tile - m.first) % m.total_tiles < m.tiles
+
+    def walk(self, ctx: CompPlan) -> tuple[list[float], tuple[float, float, float], int]:
+        """The not-always-live bytes on the tile at each position of ``ctx``'s order (its
+        points, then its end), its (peak, tensors, temporaries) and the peak's position (the
+        first position at the peak, as the sweep's ``at``)."""
+        tile, view = self.tile, self.view
+        live = self.live_of(ctx)
+        n = len(live.order)
+        born = [0] * (n + 2)
+        dead = [0] * (n + 2)
+        for b, first, last in live.ranges:
+            if view is None or id(b) in view.bufs:
+                nb = b.mapping.elements_on(tile) * b.itemsize
+                if nb:
+                    born[first] += nb
+                    dead[last + 1] += nb
+        run = 0
+        peak = pact = ptmp = 0.0
+        at = 0
+        trace: list[float] = []
+        points = ctx.points
+        for k in range(n + 1):
+            run += born[k] - dead[k]
+            p = points[live.order[k]] if k < n else None
+            temps = p.temps if p is not None and (view is None or id(p) in view.points) else ()
+            subs = p.subs if p is not None else ()
+            act = float(run)
+            cur = act
+            tmp = 0.0
+            if temps or subs:
+                for m, nbytes in temps:
+                    if self._covers(m, tile):
+                        tmp += nbytes
+                extra_act: float | None = None
+                for alts in subs:
+                    if not alts:
+                        continue
+                    s_tot, s_act, s_tmp = self.peak(alts[0])
+                    for c in alts[1:]:
+                        o_tot, o_act, o_tmp = self.peak(c)
+                        if o_tot > s_tot:
+                            s_tot, s_act, s_tmp = o_tot, o_act, o_tmp
+                    extra_act = s_act if extra_act is None else extra_act + s_act
+                    tmp += s_tmp
+                if extra_act is not None:
+                    act = run + extra_act
+                cur = act + tmp
+            trace.append(cur)
+            if cur > peak:
+                peak, pact, ptmp, at = cur, act, tmp, k
+        return trace, (peak, pact, ptmp), at
+
+
+def liveness_trace(plan: ModulePlan, profile: MemoryProfile, tile: int | None = None, *,
+                   max_points: int = 2000, phase: Mapping[str, str] | None = None,
+                   extra_bytes: float = 0.0, offloaded_bytes: float = 0.0,
+                   top: int = 20) -> LivenessTrace:
+    """``tile``'s bytes (default: the profile's fullest) at every program point of the entry
+    computation of ``plan``, in the order ``profile`` kept (``profile.orders``, recomputation
+    included; of the IPU ``profile.view``): the tile's always-live bytes plus, at each point,
+    the buffers live there, the point's temporaries and the peak on the tile of what it calls,
+    as the sweep counts them; minus ``offloaded_bytes`` and plus ``extra_bytes`` (constant over
+    the steps: a pipeline's stash). Down-sampled to at most ``max_points`` points (the fullest
+    of each run of consecutive positions, so the peak is kept). ``phase``: per instruction
+    name, "forward", "backward" or "update" (``pipeline.phases``). ``top``: how many of the
+    tensors and temporaries live at the peak to name.
+
+    Its maximum is the tile's peak: ``profile.total[tile]`` (+ ``extra_bytes`` -
+    ``offloaded_bytes``), rounded up as ``peak_bytes`` is."""
+    if profile.orders is None:
+        raise ValueError("the memory profile has no order (made by profile_memory?)")
+    T = plan.target.tiles_per_ipu
+    tile = profile.peak_tile if tile is None else int(tile)
+    if not 0 <= tile < T:
+        raise ValueError(f"tile {tile} is not one of the {T} tiles")
+    always_cats = {c: float(profile.categories[c][tile]) for c in CATEGORIES[:5]}
+    always = sum(profile.categories[c] for c in CATEGORIES[:5])[tile]  # as profile_memory sums
+    walker = _TileWalk(tile, profile.orders, profile.view)
+    values, (_, _, _), at = walker.walk(plan.entry)
+    live = profile.orders(plan.entry)
+    entry = plan.entry.points
+    phase = phase or {}
+
+    def total(v: float) -> float:
+        t = always + v
+        if offloaded_bytes:
+            t = t - offloaded_bytes
+        return t + extra_bytes if extra_bytes else t
+
+    def meta(k: int) -> tuple[str, str, str, int, str]:
+        if k >= len(live.order):
+            return "(end)", "", "", -1, ""
+        instr = entry[live.order[k]].instr
+        return (instr.name, instr.opcode, layer_name(instr), stage_of(instr),
+                _PHASE_LETTER.get(phase.get(instr.name, ""), ""))
+
+    n = len(values)
+    bucket = max(1, math.ceil(n / max(1, max_points)))
+    kept: list[tuple[int, int, str, str, str, int, str]] = []
+    for start in range(0, n, bucket):
+        k = max(range(start, min(n, start + bucket)), key=lambda j: values[j])  # the first max
+        kept.append((k, int(math.ceil(total(values[k]))), *meta(k)))
+    starts: dict[str, int] = {}
+    if phase:
+        for k in range(n - 1):
+            letter = meta(k)[4]
+            if letter and letter not in starts:
+                starts[letter] = k
+    found: list[Contributor] = []
+    _Sweeper(T, profile.orders, profile.view).contributors(plan.entry, tile, at, "", found)
+    found.sort(key=lambda c: -c.bytes)
+    return LivenessTrace(
+        tile=tile, positions=n, bucket=bucket,
+        always_live={c: int(round(v)) for c, v in always_cats.items() if v},
+        always_live_bytes=float(always), extra_bytes=float(extra_bytes),
+        offloaded_bytes=float(offloaded_bytes), points=kept, peak_position=at,
+        peak_bytes=int(math.ceil(total(values[at]))), peak_not_always_live_bytes=values[at],
+        top=found[: max(top, 0)], phase_starts=starts, order=profile.order,
     )

@@ -48,7 +48,7 @@ Everything assumed is named in ``PIPELINE_ASSUMPTIONS`` and docs/tile_model.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,7 @@ from device_server.emulator.tiles.irinfo import VIEW_OPS, layer_name, stage_of
 from device_server.emulator.tiles.liveness import stored
 from device_server.emulator.tiles.memory import CATEGORIES, IpuView, MemoryProfile, profile_memory
 from device_server.emulator.tiles.memory import Schedule as MemorySchedule
-from device_server.emulator.tiles.plan import Buf, CompPlan, ModulePlan, Step
+from device_server.emulator.tiles.plan import Buf, CompPlan, ModulePlan, Point, Step
 from device_server.emulator.tiles.recompute import Recomputation, checkpoint_makers
 from device_server.emulator.tiles.replication import (
     Replication,
@@ -73,7 +73,7 @@ from device_server.emulator.tiles.replication import (
 from device_server.protocol import DEVICE_LOOP_NAME, hardware, ir_pb2
 
 __all__ = ["PIPELINE_ASSUMPTIONS", "SCHEDULES", "Placement", "estimate_pipeline", "in_flight",
-           "phases", "placement", "recomputed_instructions", "slots"]
+           "phases", "placement", "recomputed_instructions", "slots", "stage_groups"]
 
 SCHEDULES = ("grouped", "interleaved", "sequential")
 
@@ -564,6 +564,20 @@ def _recomputation(comp: ir_pb2.Computation, phase: dict[str, str], S: int
             again[s].add(ins.name)
         todo.extend((o, s) for o in ins.operands)
     return {by_id[h].name for h in held}, again
+
+
+def stage_groups(module: ir_pb2.Module, S: int) -> Callable[[Point], int]:
+    """Per program point, its place in one micro-batch's run on the IPUs, as Poplar runs a
+    pipeline's stages (each a program of its own): the forwards in stage order, then the
+    backwards in reverse, then the weight update (``memory.memory_schedule``'s ``group``)."""
+    phase = phases(module)
+
+    def group(p: Point) -> int:
+        ph = phase.get(p.instr.name, "forward")
+        s = min(max(stage_of(p.instr), 0), S - 1)
+        return s if ph == "forward" else 2 * S - 1 - s if ph == "backward" else 2 * S
+
+    return group
 
 
 def recomputed_instructions(module: ir_pb2.Module, phase: dict[str, str], S: int

@@ -112,20 +112,25 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
     # A backward instruction that reads no gradient (no tensor the backward or the update
     # made: a ReLU's mask, the loss's derivative from the forward's outputs) is forward work
     # under recomputation: Poplar runs it when the backward needs it, after the remaking.
+    # (Its operands, not the buffers it reads: a gradient fused into a chain is not stored.)
+    by_id = {i.id: i for i in ctx.comp.instructions}
     early = {p.instr.name for p in points
              if phase.get(p.instr.name, "forward") == "backward"
-             and not any(b.ctx is not None and phase.get(b.instr.name, "forward") != "forward"
-                         for b in p.uses)}
+             and not any(o in by_id and phase.get(by_id[o].name, "forward") != "forward"
+                         for o in p.instr.operands)}
 
     def forward_work(name: str) -> bool:
         return phase.get(name, "forward") == "forward" or name in early
 
-    fwd: dict[int, list[int]] = {}
+    fwd: dict[int, list[int]] = {}      # reads by forward work (early backward included)
+    early_reads: dict[int, list[int]] = {}
     late: dict[int, list[int]] = {}
     fwd_stages: dict[int, set[int]] = {}
     for k, pi in enumerate(live.order):
         p = points[pi]
         for b in p.uses:
+            if p.instr.name in early:
+                early_reads.setdefault(id(b), []).append(k)
             if forward_work(p.instr.name):
                 fwd.setdefault(id(b), []).append(k)
                 fwd_stages.setdefault(id(b), set()).add(_stage(p.instr, S))
@@ -134,7 +139,6 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
     if not late:
         return live
     held = checkpoint_makers(ctx.comp)
-    by_id = {i.id: i for i in ctx.comp.instructions}
 
     def candidate(b: Buf, first: int, last: int) -> bool:
         ins = b.instr
@@ -160,9 +164,13 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
             else:
                 ranges.append((b, first, last))
         for b, first, last, seg in chosen:
-            lf = max(fwd.get(id(b), [first]))
-            r = start[seg]
-            if r > lf + 1:
+            # Live through the forward pass to its last forward read; made again where its
+            # segment's backward starts, or where an early backward instruction (a mask)
+            # first reads it after the forward pass, if sooner.
+            ahead = set(early_reads.get(id(b), ()))
+            lf = max([k for k in fwd.get(id(b), ()) if k not in ahead], default=first)
+            r = min([start[seg], *(k for k in ahead if k > lf)])
+            if first < r and r > lf + 1:
                 ranges += [(b, first, lf), (b, r, last)]
             else:
                 ranges.append((b, first, last))

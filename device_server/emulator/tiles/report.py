@@ -49,6 +49,7 @@ from device_server.emulator.tiles.mapping import TileMapping
 from device_server.emulator.tiles.memory import (
     CATEGORIES,
     MemoryProfile,
+    liveness_trace,
     memory_schedule,
     profile_memory,
 )
@@ -59,6 +60,7 @@ from device_server.emulator.tiles.pipeline import (
     phases,
     placement,
     recomputed_instructions,
+    stage_groups,
 )
 from device_server.emulator.tiles.plan import ModulePlan, Step
 from device_server.emulator.tiles.planner import plan_module
@@ -214,6 +216,9 @@ class Estimate:
     failure: str = ""                    # the tile model's failure (then fits is None)
     # tf_ipu.max_batch_size's table (largest micro-batch per option), for the HTML report.
     max_batch: dict[str, Any] = field(default_factory=dict)
+    # The liveness view (docs/tile_model.md, "Memory per tile"): the fullest tile's bytes at
+    # every program point of the entry computation ({} when not made); see ``_liveness``.
+    liveness: dict[str, Any] = field(default_factory=dict)
 
     # -- verdicts -------------------------------------------------------------------------
     @property
@@ -542,9 +547,12 @@ class PipelineRun:
 
 
 def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | None = None,
-                  recompute: Recomputation | None = None) -> Estimate:
+                  recompute: Recomputation | None = None,
+                  module: ir_pb2.Module | None = None) -> Estimate:
     """The :class:`Estimate` of a planned module (pipelined: ``pipeline``, pipeline.py; a
-    program that is not, recomputed as ``recompute`` says: ``recomputation_of``)."""
+    program that is not, recomputed as ``recompute`` says: ``recomputation_of``). ``module``
+    (the planned one, optional) names the forward, backward and update phases of the
+    liveness view's points."""
     t: Target = plan.target
     pipe: dict[str, Any] = {}
     again = 0.0
@@ -553,7 +561,8 @@ def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | N
         if recompute is not None:
             again = again_cycles(plan.entry.steps, recompute.again)
     else:
-        pipe = estimate_pipeline(plan, pipeline.module, pipeline.where, memory_schedule(plan),
+        order = memory_schedule(plan, group=stage_groups(pipeline.module, pipeline.where.stages))
+        pipe = estimate_pipeline(plan, pipeline.module, pipeline.where, order,
                                  pipeline.implied_all_reduce_bytes)
         mem = pipe["profile"]
     compute, exchange, sync, _ = plan.entry.totals()
@@ -657,12 +666,74 @@ def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | N
     )
     if pipeline is not None:
         _apply_pipeline(est, pipe, pipeline.where, t)
+    est.liveness = _liveness(plan, est, mem, pipe, pipeline.module if pipeline is not None
+                             else module, recompute)
     judge_memory(est)
     est.expected_error = calibration.expected_error(class_shares(est, agg.values()))
     line = calibration.describe(est.expected_error)
     if line:
         est.notes = [*est.notes, line]
     return est
+
+
+#: The liveness view keeps at most this many program points (the fullest of each run).
+LIVENESS_POINTS = 2000
+
+
+def _liveness(plan: ModulePlan, est: Estimate, mem: MemoryProfile, pipe: dict[str, Any],
+              module: ir_pb2.Module | None, recompute: Recomputation | None) -> dict[str, Any]:
+    """``Estimate.liveness``: ``memory.liveness_trace`` of the fullest tile (of the fullest
+    IPU of a pipeline, whose stash is constant over the steps), as plain data:
+
+        tile, ipu, stages (the IPU's), positions (program points + the end), bucket
+        (positions per kept point), order ("scheduled" / "hlo"), always_live ({category:
+        bytes}), always_live_bytes, extra_bytes (a pipeline's stash on the tile),
+        offloaded_bytes (optimizer state off the tile during the steps), points ([position,
+        bytes, name, opcode, layer, stage, phase "F"/"B"/"U"/""], at most LIVENESS_POINTS),
+        peak ({position, bytes, not_always_live_bytes, name, opcode, layer, stage, phase}),
+        top (the tensors and temporaries live at the peak, as ``contributors``),
+        phase_starts ({"F"/"B"/"U": first position}), notes.
+
+    A failure here is logged and leaves a note: the view never changes an estimate."""
+    try:
+        if recompute is not None:
+            phase: dict[str, str] | None = dict(recompute.phase)
+        else:
+            phase = phases(module) if module is not None else None
+        tile, ipu = mem.peak_tile, 0
+        extra = offloaded = 0.0
+        stages: list[int] = []
+        notes: list[str] = []
+        if pipe:
+            tile, ipu = int(pipe["peak_tile"]), int(pipe["peak_ipu"])
+            stages = list(mem.view.stages) if mem.view is not None else []
+            # The stash and the offloaded optimizer state on the tile, as pipeline.py added
+            # them into the fullest IPU's categories (whole bytes; the profile's, unrounded).
+            extra = float(round(est.memory["activations"][tile] - mem.categories["activations"][tile]))
+            offloaded = float(round(mem.categories["variables"][tile] - est.memory["variables"][tile]))
+        trace = liveness_trace(plan, mem, tile, max_points=LIVENESS_POINTS, phase=phase,
+                               extra_bytes=extra, offloaded_bytes=offloaded)
+        if pipe and len(stages) < est.pipeline_stages:
+            notes.append(f"IPU {ipu} (pipeline stage{'s' if len(stages) != 1 else ''} "
+                         f"{', '.join(map(str, stages))}): the whole program's points in its order; "
+                         "this IPU computes only its stages' (at the others it holds what they "
+                         "send it)")
+        if extra:
+            notes.append(f"{extra:,.0f} B of micro-batches stashed for the backward pass on this "
+                         "tile, constant over the steps (counted at every point)")
+        if offloaded:
+            notes.append(f"{offloaded:,.0f} B of optimizer state offloaded from this tile (in "
+                         "Streaming Memory during the steps, streamed in at the weight update)")
+        if trace.peak_bytes != est.peak_tile_bytes:
+            notes.append(f"the tile's peak ({est.peak_tile_bytes:,} B) is not during these steps "
+                         f"(their largest: {trace.peak_bytes:,} B)"
+                         + (": the weight update, with its offloaded optimizer state streamed in"
+                            if offloaded else ""))
+        return {**trace.to_dict(), "ipu": ipu, "stages": stages, "notes": notes}
+    except Exception as e:  # noqa: BLE001 - a view must not change the estimate
+        _log.warning("liveness view of %s not made: %s", est.program or "the program", e, exc_info=e)
+        est.notes = [*est.notes, f"no liveness view: {type(e).__name__}: {e}"]
+        return {}
 
 
 def judge_memory(est: Estimate) -> Estimate:
@@ -803,7 +874,8 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                            stages=pipeline_stages if run else 1,
                            memory_proportions=memory_proportions)
         est = estimate_plan(plan, module.name, run,
-                            recomputation_of(module) if run is None and recomputation else None)
+                            recomputation_of(module) if run is None and recomputation else None,
+                            module)
         if memory_proportions:  # PopLibs' availableMemoryProportion the products were planned with
             est.context["available_memory_proportion"] = {
                 str(k): float(v) for k, v in sorted(memory_proportions.items())}

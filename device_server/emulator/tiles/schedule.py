@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SCHEDULERS", "Graph", "dfs_schedule", "list_schedule", "peak", "positions", "reverse_schedule",
-           "schedule"]
+__all__ = ["SCHEDULERS", "Graph", "dfs_schedule", "grouped", "list_schedule", "peak", "positions",
+           "reverse_schedule", "schedule"]
 
 
 @dataclass
@@ -75,6 +75,18 @@ class Graph:
     @property
     def nodes(self) -> int:
         return len(self.preds)
+
+
+def grouped(graph: Graph, order: Sequence[int], key: Sequence[int]) -> list[int]:
+    """``order`` (valid) stably sorted by each node's ``key``: groups that run one after the
+    other (pipeline stages). A node a lower group needs joins that group (its key lowered to
+    its successors' least), so the result is valid too."""
+    least = list(key)
+    for v in reversed(order):
+        for s in graph.succs[v]:
+            if least[s] < least[v]:
+                least[v] = least[s]
+    return sorted(order, key=lambda v: least[v])
 
 
 def positions(graph: Graph, order: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -227,15 +239,19 @@ SCHEDULERS: dict[str, Callable[[Graph], list[int]]] = {
 
 
 def schedule(graph: Graph, evaluate: Callable[[list[int]], Any] | None = None,
-             within: float = 0.0) -> tuple[list[int], str]:
+             within: float = 0.0, arrange: Callable[[list[int]], list[int]] | None = None
+             ) -> tuple[list[int], str]:
     """The order of the lowest peak (see module docstring) by ``evaluate`` (lower is
     better; default :func:`peak`), and the name of the scheduler that made it ("reverse",
     "list", "dfs" or "hlo": the given order). With ``within`` > 0, ``evaluate`` (a costly
     measure) only sees the orders whose scalar peak is within that factor of the lowest
-    (HLO order always)."""
+    (HLO order always). ``arrange`` rewrites every candidate (HLO order's too) before it is
+    measured: the constraints of a program the graph does not hold (pipeline stages)."""
     orders = {"hlo": list(range(graph.nodes))}
     for name, make in SCHEDULERS.items():
         orders[name] = make(graph)
+    if arrange is not None:
+        orders = {name: arrange(order) for name, order in orders.items()}
     if evaluate is None:
         scores = {name: peak(graph, order) for name, order in orders.items()}
     else:

@@ -1,0 +1,851 @@
+"""Verdicts against the hardware: the tile model's fit verdict for every case Graphcore published
+in ``bench/fit_cases.json`` (issue 24, point 4), beside Graphcore's own verdict.
+
+    bench/fit_cases.json (committed before any estimate; never edited to suit a result)
+        |  per case: the model built with the options its source sets, as far as Keras and
+        |  tf_ipu can express them (micro-batch, training or inference, precision, replicas and
+        |  system, pipeline stages and their IPUs, recomputation and its checkpoints,
+        |  availableMemoryProportion, gradient accumulation, optimizer-state offload)
+        v
+    tf_ipu.estimate (full size, estimates only: nothing executes)
+        -> peak tile bytes, verdict (fits: peak <= the tile's SRAM; within the declared 5%
+           margin; out of memory), published verdict, right or wrong, seconds to estimate,
+           and what the case sets that could not be expressed (with its size where computable)
+
+Models: ResNet-50 (``bench.bench_mlperf._resnet50`` for the TF1/TF2 MLPerf-style pipelines,
+``keras.applications.ResNet50`` otherwise), BERT (``bench.bench_mlperf._bert`` for the MLPerf
+rounds, ``tf_ipu.models.bert`` otherwise), ResNeXt-50 (``tf_ipu.models.resnext``),
+EfficientNet-B0 (``keras.applications``) and the recomputation tutorial's split LSTM (built
+here from ``bench/fit_cases.md``). Cases the project cannot build (a C++ Poplar program,
+networks with no builder here) are listed as "not built" with the reason.
+
+Scoring: fits and out-of-memory cases are scored separately (right / built, of all published);
+a controlled pair (the tutorial's 7 / 0 checkpoints, the tech note's 0.35 / 0.8) counts only
+if both halves are right. Cases are not tuned: wrong verdicts are reported as they come.
+
+    .venv/bin/python bench/run.py --only fit_cases [--quick]
+    .venv/bin/python bench/bench_fit_cases.py [--quick] [--only CASE_ID ...]
+
+The default run estimates every buildable case; on a 2-core machine that is over the part's
+8-minute budget because of the seven BERT-Large pipelines (about a minute each), so ``--quick``
+leaves those out (``SLOW``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CASES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fit_cases.json")
+
+#: The fields every case in fit_cases.json has (bench/fit_cases.md, "File layout").
+REQUIRED_FIELDS = ("id", "group", "repository", "path", "commit", "sources", "model", "framework",
+                   "training", "micro_batch", "precision", "ipus_per_replica", "replicas",
+                   "pipeline", "recomputation", "gradient_accumulation",
+                   "available_memory_proportion", "optimizer", "offload", "ipu", "other_options",
+                   "published_verdict", "where", "provenance", "only_options_set_by_source",
+                   "notes")
+VERDICTS = ("fits", "out_of_memory")
+
+#: Controlled pairs: each counts only if both halves are right.
+PAIRS = (
+    ("tutorial-tf2-recompute-lstm-2048-7ckpt", "tutorial-tf2-recompute-lstm-2048-0ckpt"),
+    ("technote-available-memory-resnext50-bs20-amp0.35",
+     "technote-available-memory-resnext50-bs20-amp0.8"),
+)
+
+#: Cases the project cannot build, with the reason (listed in the table, never dropped).
+NOT_BUILT = {
+    "examples-tf2-unet-train-4ipu":
+        "no builder for Ronneberger's 572x572 U-Net with central-crop skips (bench/model_zoo.py's "
+        "U-Net is a 32x32 toy)",
+    "examples-tf2-unet-infer-1ipu-bs2":
+        "no builder for Ronneberger's 572x572 U-Net with central-crop skips (bench/model_zoo.py's "
+        "U-Net is a 32x32 toy)",
+    "examples-poptorch-efficientnet-b4-g16-gn-train-pod16":
+        "no builder for EfficientNet-B4-G16-GN (group-dim-16 convolutions, group norm); "
+        "keras.applications.EfficientNetB4 is another network",
+    "examples-poptorch-vit-b16-finetune-pod16":
+        "no ViT-B/16 builder (keras.applications has none; bench/model_zoo.py's ViT is a toy)",
+    "examples-poptorch-gpt2-small-train-pod16":
+        "no GPT-2 builder (bench/model_zoo.py's causal decoder is a 2-layer toy)",
+    "examples-poptorch-gpt2-medium-train-pod16":
+        "no GPT-2 builder (bench/model_zoo.py's causal decoder is a 2-layer toy)",
+    "examples-poptorch-gpt2-small-infer-pod16":
+        "no GPT-2 builder (bench/model_zoo.py's causal decoder is a 2-layer toy)",
+    "documented-oom-poplar-tut4-matmul-9000x7500":
+        "a C++ Poplar program with variables mapped linearly over the tiles "
+        "(poputil::mapTensorLinearly); tf_ipu lays out variables itself and cannot express it",
+}
+
+#: Cases that take longest to estimate (BERT-Large pipelines, each about a minute or more on
+#: 2 shared cores); ``--quick`` leaves them out.
+SLOW = (
+    "mlperf-v1.0-bert-large-pod16", "mlperf-v1.1-bert-large-pod16",
+    "mlperf-v2.0-bert-large-bow-pod16", "examples-tf2-bert-large-pretrain-seq384-pod16",
+    "examples-poptorch-bert-large-pretrain-seq512-pod16",
+    "examples-tf2-bert-large-pretrain-seq128-pod16",
+    "examples-poptorch-bert-large-pretrain-seq128-pod16",
+)
+
+_SYSTEM16 = {"ipu2": "pod16", "bow": "bow-pod16"}
+_TILES = {"ipu1": 1216, "ipu2": 1472, "bow": 1472}
+_HALF_PARTIALS = "half partials (the tile model plans FP32 partials)"
+
+
+def load_cases(path: str = CASES_PATH) -> list[dict[str, Any]]:
+    """The cases of ``bench/fit_cases.json``, in file order."""
+    with open(path) as f:
+        return json.load(f)["cases"]
+
+
+# -- what a case builds to -----------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """A case made concrete: the model, ``tf_ipu.estimate``'s arguments, the precision policy
+    it was built under, what was expressed and what could not be."""
+
+    model: Any
+    batch: int
+    training: bool
+    options: dict[str, Any]
+    policy: str = "float32"
+    expressed: list[str] = field(default_factory=list)
+    unexpressed: list[str] = field(default_factory=list)
+    # What the estimate records while it runs (a context manager yielding what it found), and
+    # the notes made from the estimate and that afterwards (sizes of what was not expressed).
+    capture: Callable[[], Any] | None = None
+    after: Callable[[Any, Any], list[str]] | None = None
+
+
+@contextlib.contextmanager
+def _policy(name: str) -> Iterator[None]:
+    """Keras' global dtype policy set to ``name`` within, restored after."""
+    import keras
+
+    old = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(old)
+
+
+def _policy_of(case: dict[str, Any]) -> str:
+    """"float16" when the case computes in FP16 (Graphcore's 16.16: FP16 weights too)."""
+    return "float16" if str(case["precision"].get("compute", "")).startswith("fp16") else "float32"
+
+
+def _keras_split(name: str) -> str:
+    """A published ResNet split point as the Keras ResNet-50 layer it follows: TF1's 0-based
+    ``b<stage>/<block>/relu`` and 1-based-block ``stage<s>/unit<u>/relu`` names, or a Keras
+    name as given."""
+    m = re.fullmatch(r"b(\d)/(\d+)/relu", name)
+    if m:
+        return f"conv{int(m.group(1)) + 1}_block{int(m.group(2)) + 1}_out"
+    m = re.fullmatch(r"stage(\d)/unit(\d+)/relu", name)
+    if m:
+        return f"conv{int(m.group(1)) + 1}_block{int(m.group(2))}_out"
+    return name
+
+
+def _modes() -> tuple[Any, Any]:
+    from tf_ipu.pipelining import PipelineSchedule, RecomputationMode
+
+    return PipelineSchedule, RecomputationMode
+
+
+def _strategy_scope(model: Any) -> Any:
+    strategy = getattr(model, "_distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
+def _stage_by_splits(model: Any, splits: Sequence[str]) -> list[int]:
+    """A stage per layer call: the stage ends after each layer named in ``splits``."""
+    stages, stage = [], 0
+    for a in model.get_pipeline_stage_assignment():
+        stages.append(stage)
+        stage += a.layer.name in splits
+    return stages
+
+
+def _pipeline(model: Any, stages: list[int], mapping: list[int], accumulation: int,
+              schedule: Any, mode: Any = None, **kwargs: Any) -> None:
+    """Sets ``stages`` and the pipelining options on ``model``."""
+    _, modes = _modes()
+    with _strategy_scope(model):
+        model.set_pipeline_stage_assignment(stages)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=accumulation,
+                                     device_mapping=mapping, pipeline_schedule=schedule,
+                                     recomputation_mode=mode or modes.Auto, **kwargs)
+
+
+def _checkpointed(model: Any, after: Callable[[str], bool]) -> Any:
+    """``model`` (functional) with a ``RecomputationCheckpoint`` on the output of every layer
+    whose name ``after`` accepts; the layers (and weights) are shared, the model uncompiled."""
+    import keras
+    from ipu_tensorflow_addons.keras.layers import RecomputationCheckpoint
+
+    def call(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = layer(*args, **kwargs)
+        if after(layer.name):
+            return RecomputationCheckpoint(name=f"{layer.name}_checkpoint")(out)
+        return out
+
+    with _strategy_scope(model):
+        return keras.models.clone_model(model, clone_function=lambda layer: layer,
+                                        call_function=call)
+
+
+def _amp(case: dict[str, Any], plan_notes: list[str]) -> Any:
+    """``available_memory_proportion=`` for the case: one value for both kinds of product, a
+    dict per kind, or None (PopLibs' default). A value per IPU or per stage cannot be given:
+    the largest is applied to every IPU, and that is named in ``plan_notes``."""
+    amp = case.get("available_memory_proportion")
+    if not isinstance(amp, dict):
+        return None
+    per_kind = {}
+    for key, kind in (("convolutions", "convolution"), ("matmuls", "matmul")):
+        if isinstance(amp.get(key), (int, float)):
+            per_kind[kind] = float(amp[key])
+    for key in ("all", "IPU0"):
+        if isinstance(amp.get(key), (int, float)):
+            return float(amp[key])
+    for key, kind in (("per_ipu", "matmul"), ("matmul_per_ipu", "matmul"),
+                      ("per_stage", None)):
+        values = amp.get(key)
+        if isinstance(values, list) and values:
+            top = max(float(v) for v in values)
+            if len(set(values)) > 1:
+                plan_notes.append(f"availableMemoryProportion per IPU {values} (one value per "
+                                  f"kind here: the largest, {top}, on every IPU)")
+            if kind is None:
+                return top
+            per_kind[kind] = top
+    if not per_kind:
+        return None
+    if set(per_kind) == {"convolution", "matmul"} and len(set(per_kind.values())) == 1:
+        return per_kind["convolution"]
+    return per_kind
+
+
+def _describe(plan: Plan, case: dict[str, Any]) -> str:
+    """One line: what the estimate was asked (from its arguments and the model's pipeline)."""
+    from tf_ipu import pipelining
+
+    o = plan.options
+    parts = [f"{'train' if plan.training else 'infer'} {plan.policy} mb {plan.batch}",
+             f"{o.get('ipu_version')}"]
+    if o.get("replicas", 1) > 1:
+        parts.append(f"x{o['replicas']} replicas" + (f" ({o['system']})" if o.get("system") else ""))
+    if o.get("tiles_per_ipu"):
+        parts.append(f"{o['tiles_per_ipu']} tiles")
+    pipe = pipelining.plan(plan.model, 1)
+    if pipe is not None:
+        opts = pipelining.pipelining_options(plan.model)
+        parts.append(f"{pipe['stages']} stages on IPUs {pipe['stage_ipus']} {pipe['schedule']} "
+                     f"{opts.get('recomputation_mode').name}, {pipe['micro_batches']} micro-batches")
+        if pipe.get("offload") is not None or pipe.get("sharding"):
+            parts.append(f"offload {pipe.get('offload')} sharding {pipe.get('sharding')}")
+    elif o.get("gradient_accumulation_steps_per_replica", 1) > 1:
+        parts.append(f"{o['gradient_accumulation_steps_per_replica']} micro-batches")
+    if o.get("recomputation"):
+        parts.append("recomputation")
+    if o.get("available_memory_proportion") is not None:
+        parts.append(f"AMP {o['available_memory_proportion']}")
+    return ", ".join(parts)
+
+
+# -- builders ------------------------------------------------------------------------------
+
+
+def _resnet_plain(eight_bit: bool) -> Any:
+    """keras.applications ResNet-50 (weights None) without a pipeline; with ``eight_bit`` its
+    images arrive as uint8 and are scaled on the IPU (eight_bit_io)."""
+    import keras
+
+    import tf_ipu
+
+    with tf_ipu.IPUStrategy().scope():
+        if not eight_bit:
+            return keras.applications.ResNet50(weights=None)
+        images = keras.Input((224, 224, 3), dtype="uint8", name="images")
+        x = keras.layers.Rescaling(1 / 255.0)(images)
+        net = keras.applications.ResNet50(weights=None, input_tensor=x)
+        return keras.Model(images, net.output, name="resnet50_8bit")
+
+
+def _compile_sgd(model: Any, momentum: float) -> None:
+    import keras
+
+    with _strategy_scope(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=momentum),
+                      loss="sparse_categorical_crossentropy")
+
+
+def _resnet_pipelined(case: dict[str, Any]) -> Plan:
+    """The MLPerf-style ResNet-50 pipelines (TF1 and the TF2 port): bench_mlperf's builder,
+    its stages set from the case's splits and device mapping."""
+    from bench.bench_mlperf import _resnet50
+
+    schedules, modes = _modes()
+    pipe, notes = case["pipeline"], []
+    accumulation = int(case["gradient_accumulation"])
+    model = _resnet50(accumulation)
+    splits = [_keras_split(s) for s in pipe["pipeline_splits"]]
+    stages = _stage_by_splits(model, splits)
+    count = max(stages) + 1
+    mapping = pipe.get("device_mapping")
+    mapping = list(mapping) if isinstance(mapping, list) else list(range(count))
+    schedule = schedules[str(pipe.get("pipeline_schedule") or pipe.get("schedule")).split()[0]]
+    offload = case.get("offload") or {}
+    no_offload = offload.get("disable_variable_offloading") or \
+        offload.get("optimizer-state-offloading") is False
+    _pipeline(model, stages, mapping, accumulation, schedule,
+              offload_weight_update_variables=False if no_offload else None)
+    replicas = int(case["replicas"])
+    options = {"ipu_version": case["ipu"], "replicas": replicas,
+               "system": _SYSTEM16[case["ipu"]] if replicas * case["ipus_per_replica"] == 16 else None,
+               "recomputation": bool(case["recomputation"]["enabled"]),
+               "available_memory_proportion": _amp(case, notes)}
+    if case["precision"].get("partials", "").startswith("half"):
+        notes.append(_HALF_PARTIALS)
+    if "LARS" in str(case["optimizer"]):
+        notes.append("LARS (SGD with momentum here: the same one slot per weight; LARS's "
+                     "per-layer norms not counted)")
+    target = (case.get("other_options") or {}).get("internal_exchange_optimisation_target") or \
+        (case.get("other_options") or {}).get("internal-exchange-optimization-target")
+    if target:
+        notes.append(f"internal exchange optimisation target '{target}' (not modelled)")
+    return Plan(model, int(case["micro_batch"]), True, options, "float16",
+                expressed=["8-bit images (uint8 input)", f"splits -> {splits}"],
+                unexpressed=notes)
+
+
+def _resnet_flat(case: dict[str, Any]) -> Plan:
+    """ResNet-50 without a pipeline: inference, TF1's single-IPU training, and PopTorch's
+    replicated training with manual recomputation checkpoints (a one-stage pipeline here,
+    Graphcore's TF2 way of checkpointing one IPU's program)."""
+    schedules, modes = _modes()
+    other = case.get("other_options") or {}
+    eight_bit = bool(other.get("eight_bit_io") or other.get("eight-bit-transfer"))
+    notes: list[str] = []
+    model = _resnet_plain(eight_bit)
+    options: dict[str, Any] = {"ipu_version": case["ipu"], "replicas": int(case["replicas"]),
+                               "available_memory_proportion": _amp(case, notes)}
+    io_tiles = other.get("num_io_tiles")
+    if io_tiles:
+        options["tiles_per_ipu"] = _TILES[case["ipu"]] - int(io_tiles)
+    expressed = ["8-bit images (uint8 input)"] if eight_bit else []
+    if io_tiles:
+        expressed.append(f"{io_tiles} I/O tiles reserved (fewer compute tiles)")
+    if case["precision"].get("partials", "").startswith("half"):
+        notes.append(_HALF_PARTIALS)
+    if case["training"]:
+        recompute = case.get("recomputation") or {}
+        checkpoints = recompute.get("checkpoints")
+        if isinstance(checkpoints, list):  # PopTorch manual recomputation
+            names = _poptorch_resnet_checkpoints(checkpoints)
+            base = model
+            model = _checkpointed(base, lambda n: n in names)
+            _compile_sgd(model, 0.9)
+            accumulation = int(case["gradient_accumulation"])
+            _pipeline(model, [0] * len(model.get_pipeline_stage_assignment()), [0], accumulation,
+                      schedules.Grouped, modes.RecomputeAndBackpropagateInterleaved,
+                      offload_weight_update_variables=False)
+            options["recomputation"] = True
+            options["system"] = _SYSTEM16[case["ipu"]] if options["replicas"] == 16 else None
+            expressed.append(f"{len(names)} recomputation checkpoints (a one-stage pipeline)")
+        else:
+            optimizer = str(case.get("optimizer"))
+            momentum = 0.9 if "momentum" in optimizer else 0.0
+            _compile_sgd(model, momentum)
+            if "not set" in optimizer:
+                notes.append("optimizer not recorded (application default): plain SGD here")
+            options["recomputation"] = bool(recompute.get("enabled"))
+    return Plan(model, int(case["micro_batch"]), bool(case["training"]), options,
+                _policy_of(case), expressed=expressed, unexpressed=notes)
+
+
+def _poptorch_resnet_checkpoints(published: Sequence[str]) -> set[str]:
+    """PopTorch's traced names as Keras ResNet-50 layers: ``add``/``add_k`` the k-th residual
+    add (0-based over the 16 bottlenecks), ``layer4/b/convN``/``bnN``/``downsample`` the
+    conv5_x block's convolutions and batch norms, ``avgpool`` and ``fc``."""
+    blocks = [(stage, b) for stage, count in zip((2, 3, 4, 5), (3, 4, 6, 3), strict=True)
+              for b in range(1, count + 1)]
+    out = set()
+    for name in published:
+        m = re.fullmatch(r"add(?:_(\d+))?", name)
+        if m:
+            stage, b = blocks[int(m.group(1) or 0)]
+            out.add(f"conv{stage}_block{b}_add")
+            continue
+        m = re.fullmatch(r"layer4/(\d)/(conv|bn)(\d)", name)
+        if m:
+            out.add(f"conv5_block{int(m.group(1)) + 1}_{m.group(3)}_{m.group(2)}")
+            continue
+        m = re.fullmatch(r"layer4/(\d)/downsample[_/](\d)", name)
+        if m:
+            out.add(f"conv5_block{int(m.group(1)) + 1}_0_{'conv' if m.group(2) == '0' else 'bn'}")
+            continue
+        out.add({"avgpool": "avg_pool", "fc": "predictions"}[name])
+    return out
+
+
+def _efficientnet_b0(case: dict[str, Any]) -> Plan:
+    """keras.applications EfficientNet-B0 inference at 224x224, 8-bit images, I/O tiles."""
+    import keras
+
+    import tf_ipu
+
+    other = case.get("other_options") or {}
+    with tf_ipu.IPUStrategy().scope():
+        images = keras.Input((224, 224, 3), dtype="uint8", name="images")
+        x = keras.layers.Rescaling(1.0)(images)  # the network's own preprocessing follows
+        net = keras.applications.EfficientNetB0(weights=None, input_tensor=x)
+        model = keras.Model(images, net.output, name="efficientnet_b0_8bit")
+    options = {"ipu_version": case["ipu"], "replicas": int(case["replicas"]),
+               "tiles_per_ipu": _TILES[case["ipu"]] - int(other.get("num_io_tiles", 0))}
+    return Plan(model, int(case["micro_batch"]), False, options, _policy_of(case),
+                expressed=["8-bit images (uint8 input)", f"{other.get('num_io_tiles')} I/O tiles"],
+                unexpressed=[_HALF_PARTIALS])
+
+
+def _resnext(case: dict[str, Any]) -> Plan:
+    """The tech note's ResNeXt-50 32x4d, FP32 inference, one availableMemoryProportion for
+    convolutions and matmuls (setAvailableMemoryProportion({'IPU0': p}))."""
+    from tf_ipu.models.resnext import resnext
+
+    notes: list[str] = []
+    model = resnext(depth=50, cardinality=32, width=4)
+    options = {"ipu_version": case["ipu"], "available_memory_proportion": _amp(case, notes)}
+    return Plan(model, int(case["micro_batch"]), False, options, "float32", unexpressed=notes)
+
+
+def _lstm_tutorial(case: dict[str, Any]) -> Plan:
+    """Graphcore's recomputation tutorial as bench/fit_cases.md mirrors it: one PopnnLSTM over
+    ``checkpoints + 1`` slices of the sequence (each slice starting from the previous one's
+    state, which is checkpointed), stage 0 on IPU 0; Dense(1) as stage 1 on IPU 0; Sequential,
+    RecomputeAndBackpropagateInterleaved, 4 micro-batches; SGD, mse; FP32."""
+    import ipu_tensorflow_addons.keras.layers as ipu_layers
+    import keras
+    import tensorflow as tf
+
+    import tf_ipu
+
+    schedules, modes = _modes()
+    other = case["other_options"]
+    seq, units, features = int(other["sequence_length"]), int(other["lstm_units"]), \
+        int(other["input_features"])
+    found = re.search(r"(\d+) RecomputationCheckpoint|(\d+) checkpoint|checkpoints (\d+)",
+                      json.dumps(case["recomputation"]["checkpoints"]))
+    checkpoints = 0 if "none" in str(case["recomputation"]["checkpoints"]) else \
+        int(next(g for g in found.groups() if g))
+    slices = checkpoints + 1
+    with tf_ipu.IPUStrategy().scope():
+        inputs = keras.Input((seq, features), name="sequence")
+        with keras.ipu.PipelineStage(0):
+            lstm = ipu_layers.PopnnLSTM(units, return_state=True)
+            outs, state = [], None
+            for i in range(slices):
+                begin, end = i * seq // slices, (i + 1) * seq // slices
+                part = keras.layers.Lambda(lambda x, b=0, e=0: x[:, b:e, :],
+                                           arguments={"b": begin, "e": end})(inputs)
+                out, h, c = lstm(part, initial_state=state)
+                if i != slices - 1:
+                    h, c = ipu_layers.RecomputationCheckpoint()([h, c])
+                state = (h, c)
+                outs.append(out)
+            x = keras.layers.Concatenate(axis=1)(outs) if len(outs) > 1 else outs[0]
+        with keras.ipu.PipelineStage(1):
+            x = keras.layers.Dense(1)(x)
+        model = keras.Model(inputs, x, name=f"recompute_lstm_{seq}_{checkpoints}ckpt")
+        model.compile(tf.optimizers.SGD(0.001), loss="mse", steps_per_execution=4)
+        model.set_pipelining_options(
+            gradient_accumulation_steps_per_replica=int(case["gradient_accumulation"]),
+            pipeline_schedule=schedules.Sequential, device_mapping=[0, 0],
+            recomputation_mode=modes.RecomputeAndBackpropagateInterleaved)
+    options = {"ipu_version": case["ipu"], "recomputation": True,
+               "label_spec": tf.TensorSpec([None, seq], tf.float32)}
+    return Plan(model, int(case["micro_batch"]), True, options, "float32",
+                expressed=[f"{checkpoints} RecomputationCheckpoint(s), PopnnLSTM -> keras LSTM"])
+
+
+# BERT ------------------------------------------------------------------------------------
+
+
+def _block_stages(placement: Sequence[Any], start: int, layers: int) -> tuple[list[int], list[int],
+                                                                               list[int]]:
+    """Per encoder layer, the stage of its attention and of its feed-forward block, and each
+    stage's IPU: ``placement`` is whole layers per stage from stage ``start`` (stage i on IPU
+    i; the embedding in stage 0 on IPU 0). Raises ValueError if it does not place ``layers``."""
+    att: list[int] = []
+    ipus = list(range(start))
+    for stage, count in enumerate(placement, start):
+        att += [stage] * int(count)
+        ipus.append(stage)
+    if len(att) != layers:
+        raise ValueError(f"placement {placement} places {len(att)} layers, not {layers}")
+    return att, list(att), ipus
+
+
+def _bert_layer_stages(names: Sequence[str], att: list[int], ffn: list[int], head: int) -> list[int]:
+    """A stage per layer call of tf_ipu.models.bert's classifier (checkpoints included): the
+    embedding in stage 0, each block in its own, the pooler and classifier in ``head``."""
+    stages = []
+    for name in names:
+        m = re.match(r"layer_(\d+)_(attention|intermediate|output)", name)
+        if m:
+            stages.append((att if m.group(2) == "attention" else ffn)[int(m.group(1))])
+        elif name.startswith(("token_", "position_", "embedding", "input")):
+            stages.append(0)
+        else:
+            stages.append(head)
+    return stages
+
+
+def _mlm_note(case: dict[str, Any], vocab: int, micro: int) -> str:
+    other = case.get("other_options") or {}
+    masked = other.get("mask_tokens") or other.get("max_predictions_per_seq")
+    logits = micro * int(masked) * vocab * 2
+    return (f"masked-LM head over {masked} tokens (a 2-class head here): its FP16 logits alone "
+            f"are {logits:,} B per micro-batch on the head's IPU")
+
+
+def _mlperf_placement(pipe: dict[str, Any]) -> str:
+    """The submission's placement in the words of bench_mlperf's ``_bert``."""
+    if "att_ffn_placement" in pipe:
+        return "att_ffn_placement " + json.dumps(pipe["att_ffn_placement"])
+    return "layers_per_ipu " + json.dumps(pipe["layers_per_ipu"])
+
+
+def _bert_mlperf(case: dict[str, Any]) -> Plan:
+    """The MLPerf BERT-Large phase-2 rounds: bench_mlperf's builder as it builds each
+    submission (sequence 512, the published placement and checkpoints, vocab, FP16 attention
+    probabilities, LAMB, no dropout, a 2-class head), with the case's optimizer-state location
+    and sharding; v2.0's unexpressible options sized on the fullest tile after the estimate."""
+    from bench import bench_mlperf
+
+    pipe, notes = case["pipeline"], []
+    accumulation = int(case["gradient_accumulation"])
+    offload = bool(case["offload"]["optimizer_state_offchip"])
+    sharding = bool(case["offload"]["replicated_tensor_sharding"])
+    vocab = int(re.search(r"vocab_length (\d+)", case["model"]).group(1))
+    placement = _mlperf_placement(pipe)
+    ipus = bench_mlperf._bert_layout(placement).ipus
+    if ipus != pipe["device_mapping"]:
+        raise ValueError(f"{case['id']}: stages on IPUs {ipus}, published {pipe['device_mapping']}")
+    # tf_ipu shards only offloaded optimizer state: on-chip sharding (v2.0) is sized below.
+    model = bench_mlperf._bert(placement, accumulation, offload, vocab=vocab,
+                               sharding=sharding and offload, checkpoints=True)
+    micro, replicas = int(case["micro_batch"]), int(case["replicas"])
+    other = case.get("other_options") or {}
+    notes += [_mlm_note(case, vocab, micro),
+              f"packing's attention mask ({other.get('max_sequences_per_pack')} sequences per row)",
+              _HALF_PARTIALS]
+    if other.get("embedding_serialization_vocab_steps"):
+        notes.append(f"embedding serialized in {other['embedding_serialization_vocab_steps']} "
+                     f"vocabulary steps")
+    if "optimizer_state" in case["precision"]:
+        notes.append(f"optimizer state {case['precision']['optimizer_state']} (the float16 "
+                     f"policy's FP16 here)")
+    options = {"ipu_version": case["ipu"], "replicas": replicas,
+               "system": _SYSTEM16[case["ipu"]], "recomputation": True,
+               "available_memory_proportion": _amp(case, notes)}
+    capture, after = None, None
+    if "activation_checkpoints" in case["precision"] or (sharding and not offload):
+        capture = bench_mlperf._checkpoint_stash
+
+        def after(est: Any, found: Any) -> list[str]:
+            saved = bench_mlperf._unexpressed(est, found, replicas)
+            step = getattr(est, "step", est)
+            over = max(0, est.peak_tile_bytes - step.tile_bytes_limit)
+            out = []
+            if "activation_checkpoints" in case["precision"]:
+                out.append(f"FP8 activation checkpoints (1 B/element): would save {saved['fp8']:,} B "
+                           f"on the fullest tile (half its stashed FP16 checkpoints)")
+            if sharding and not offload:
+                out.append(f"optimizer state sharded on chip over the {replicas} replicas "
+                           f"(tf_ipu shards only offloaded state): would save "
+                           f"{saved['sharding']:,} B on the fullest tile")
+            out.append(f"together {saved['fp8'] + saved['sharding']:,} B against {over:,} B over")
+            return out
+
+    return Plan(model, micro, True, options, "float16",
+                expressed=[placement, f"stages on IPUs {ipus}", "the submission's checkpoints",
+                           f"vocab {vocab}", "FP16 attention probabilities",
+                           f"offload {offload}, sharding {sharding and offload}"],
+                unexpressed=notes, capture=capture, after=after)
+
+
+def _bert_examples(case: dict[str, Any]) -> Plan:
+    """Graphcore's TF2 and PopTorch BERT pretraining configurations: tf_ipu.models.bert (FP16
+    attention probabilities as their FP16 models keep them, no dropout, a 2-class head), LAMB,
+    FP16, a checkpoint after every encoder layer, placed as published (the heads in a last
+    stage on IPU 0), optimizer state where the application puts it."""
+    import keras
+
+    import tf_ipu
+    from tf_ipu.models.bert import bert_classifier, bert_encoder
+
+    schedules, modes = _modes()
+    pipe, notes = case["pipeline"], []
+    desc = case["model"]
+    layers, hidden, heads = (int(x) for x in re.search(
+        r"(\d+) layers x hidden (\d+), (\d+) heads", desc).groups())
+    vocab = int(re.search(r"vocab (\d+)", desc).group(1))
+    other = case["other_options"]
+    seq = int(other.get("max_seq_length") or other.get("sequence_length"))
+    if "pipeline_stages" in pipe:  # TF2: the stages' contents as published
+        if pipe["pipeline_stages"][0][0] != "emb" or "heads" not in pipe["pipeline_stages"][-1]:
+            raise ValueError(f"{case['id']}: not the embedding first and the heads last")
+        per_stage = [sum(x == "hid" for x in s) for s in pipe["pipeline_stages"][:-1]]
+        published = list(pipe["pipeline_device_mapping"])
+    else:  # PopTorch layers_per_ipu: the embedding on IPU 0, the heads back there
+        per_stage, published = list(pipe["layers_per_ipu"]), None
+    att, ffn, ipus = _block_stages(per_stage, 0, layers)
+    ipus.append(0)
+    if published is not None and ipus != published:
+        raise ValueError(f"{case['id']}: stages on IPUs {ipus}, published {published}")
+    accumulation = int(case["gradient_accumulation"])
+    offload = str(case["offload"].get("optimizer_state_offchip", "")).startswith("True")
+    sharding = bool(case["offload"].get("replicated_tensor_sharding"))
+    with tf_ipu.IPUStrategy().scope():
+        model = bert_classifier(bert_encoder(layers=layers, hidden=hidden, heads=heads,
+                                             seq_len=seq, vocab=vocab, dropout=0.0,
+                                             softmax_in_compute_dtype=True,
+                                             checkpoints="every_layer"), classes=2)
+        model.compile(optimizer=keras.optimizers.Lamb(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    names = [a.layer.name for a in model.get_pipeline_stage_assignment()]
+    _pipeline(model, _bert_layer_stages(names, att, ffn, len(ipus) - 1), ipus, accumulation,
+              schedules.Grouped, modes.RecomputeAndBackpropagateInterleaved,
+              offload_weight_update_variables=offload,
+              replicated_optimizer_state_sharding=sharding)
+    micro = int(case["micro_batch"])
+    notes += [_mlm_note(case, vocab, micro), _HALF_PARTIALS]
+    if other.get("hidden_dropout_prob"):
+        notes.append(f"hidden dropout {other['hidden_dropout_prob']} (its masks; the builder has "
+                     "one rate for every dropout, 0 here since attention dropout is 0)")
+    if other.get("embedding_serialization_factor"):
+        notes.append(f"embedding serialization x{other['embedding_serialization_factor']}")
+    options = {"ipu_version": case["ipu"], "replicas": int(case["replicas"]),
+               "system": _SYSTEM16[case["ipu"]], "recomputation": True,
+               "available_memory_proportion": _amp(case, notes)}
+    return Plan(model, micro, True, options, "float16",
+                expressed=[f"{layers}x{hidden} seq {seq} vocab {vocab}",
+                           f"stages on IPUs {ipus}", "a checkpoint after every encoder layer",
+                           "FP16 attention probabilities", f"offload {offload}, sharding {sharding}"],
+                unexpressed=notes)
+
+
+def _builder(case: dict[str, Any]) -> Callable[[dict[str, Any]], Plan] | None:
+    """The builder of a case (None: not built, NOT_BUILT says why)."""
+    cid = case["id"]
+    if cid in NOT_BUILT:
+        return None
+    if cid.startswith("tutorial-tf2-recompute-lstm"):
+        return _lstm_tutorial
+    if cid.startswith("technote-available-memory-resnext50"):
+        return _resnext
+    if "bert" in cid:
+        return _bert_mlperf if case["group"] == "mlperf" else _bert_examples
+    if "efficientnet-b0" in cid:
+        return _efficientnet_b0
+    if "resnet50" in cid:
+        pipe = case.get("pipeline") or {}
+        return _resnet_pipelined if pipe.get("pipeline_splits") else _resnet_flat
+    return None
+
+
+# -- estimating and scoring ----------------------------------------------------------------
+
+
+def _verdict(est: Any) -> str:
+    if est.fits is None:
+        return "unknown"
+    if est.fits:
+        return "fits"
+    return "within margin" if est.within_margin else "out of memory"
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Builds and estimates one case: its row (never raises; an error is recorded)."""
+    import tf_ipu
+
+    published = case["published_verdict"]["verdict"]
+    row: dict[str, Any] = {"id": case["id"], "group": case["group"],
+                           "framework": case["framework"], "published": published,
+                           "built": False, "verdict": "not built", "right": None}
+    build = _builder(case)
+    if build is None:
+        row["reason"] = NOT_BUILT.get(case["id"], "no builder")
+        return row
+    t0 = time.perf_counter()
+    try:
+        with _policy(_policy_of(case)):
+            plan = build(case)
+            row["build_seconds"] = round(time.perf_counter() - t0, 1)
+            options = dict(plan.options)
+            if plan.training and not _is_pipelined(plan.model):
+                acc = case.get("gradient_accumulation")
+                if isinstance(acc, int) and acc > 1:
+                    options["gradient_accumulation_steps_per_replica"] = acc
+            options = {k: v for k, v in options.items() if v is not None}
+            t1 = time.perf_counter()
+            with plan.capture() if plan.capture else contextlib.nullcontext() as found:
+                est = tf_ipu.estimate(plan.model, plan.batch, training=plan.training, **options)
+            row["seconds"] = round(time.perf_counter() - t1, 1)
+        step = getattr(est, "step", est)
+        capacity = int(step.tile_bytes_limit)
+        unexpressed = list(plan.unexpressed) + (plan.after(est, found) if plan.after else [])
+        row.update({
+            "built": True, "configuration": _describe(Plan(plan.model, plan.batch, plan.training,
+                                                           options, plan.policy), case),
+            "expressed": plan.expressed, "unexpressed": unexpressed,
+            "peak_tile_bytes": int(est.peak_tile_bytes), "capacity_bytes": capacity,
+            "headroom_bytes": capacity - int(est.peak_tile_bytes),
+            "margin_bytes": int(step.margin_bytes), "fits": est.fits,
+            "within_margin": bool(est.within_margin), "verdict": _verdict(est),
+            "peak_ipu": int(getattr(step, "peak_ipu", 0)), "peak_tile": int(est.peak_tile),
+        })
+        row["right"] = None if est.fits is None else (est.fits == (published == "fits"))
+    except Exception as e:  # recorded in the table: a failure is a result too
+        row.update({"verdict": "error", "error": f"{type(e).__name__}: {e}"[:500],
+                    "traceback": traceback.format_exc().splitlines()[-6:],
+                    "seconds": round(time.perf_counter() - t0, 1)})
+    finally:
+        _release()
+    return row
+
+
+def _is_pipelined(model: Any) -> bool:
+    from tf_ipu import pipelining
+
+    return bool(pipelining.stages_of(model))
+
+
+def _release() -> None:
+    """Drops Keras' global state between cases (their models are large)."""
+    import keras
+
+    keras.backend.clear_session()
+    gc.collect()
+
+
+def score(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Fits and out-of-memory cases scored separately: per published verdict, the cases right,
+    built and published. A case of a controlled pair (PAIRS) counts as right only if both
+    halves are right (a half not built or unknown makes both wrong)."""
+    right = {r["id"]: r.get("right") is True for r in rows}
+    pairs = []
+    for a, b in PAIRS:
+        both = right.get(a, False) and right.get(b, False)
+        for cid in (a, b):
+            if cid in right:
+                right[cid] = both
+        pairs.append({"cases": [a, b], "both_right": both})
+    out: dict[str, Any] = {}
+    for verdict in VERDICTS:
+        published = [r for r in rows if r["published"] == verdict]
+        built = [r for r in published if r.get("built")]
+        out[verdict] = {"right": sum(right[r["id"]] for r in built), "built": len(built),
+                        "published": len(published)}
+    out["pairs"] = pairs
+    return out
+
+
+def _mark(row: dict[str, Any]) -> str:
+    return {True: "right", False: "WRONG", None: "-"}[row.get("right")]
+
+
+def table_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The verdict table as text, one line per case."""
+    head = (f"  {'case':<54} {'peak tile B':>12} {'of tile':>8} {'verdict':<14} "
+            f"{'published':<14} {'':<6} {'build s':>8} {'est. s':>7}")
+    lines = [head, "  " + "-" * (len(head) - 2)]
+    for r in rows:
+        if r.get("built"):
+            share = f"{r['peak_tile_bytes'] / r['capacity_bytes']:.0%}"
+            lines.append(f"  {r['id']:<54} {r['peak_tile_bytes']:>12,} {share:>8} "
+                         f"{r['verdict']:<14} {r['published']:<14} {_mark(r):<6} "
+                         f"{r.get('build_seconds', 0):>8.1f} {r.get('seconds', 0):>7.1f}")
+        else:
+            lines.append(f"  {r['id']:<54} {'':>12} {'':>8} {r['verdict']:<14} "
+                         f"{r['published']:<14} {_mark(r):<6} {'':>8} {'':>7}")
+    return lines
+
+
+def score_lines(s: dict[str, Any]) -> list[str]:
+    lines = []
+    for verdict in VERDICTS:
+        v = s[verdict]
+        lines.append(f"  {verdict}: {v['right']} right of {v['built']} built "
+                     f"({v['published']} published)")
+    for p in s["pairs"]:
+        lines.append(f"  pair {p['cases'][0]} / {p['cases'][1]}: "
+                     f"{'both right' if p['both_right'] else 'not both right'}")
+    return lines
+
+
+def main(quick: bool = False, only: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Estimates every case (``quick``: not the SLOW ones), prints the table and the scores;
+    returns the rows, then a summary row."""
+    cases = load_cases()
+    if only:
+        cases = [c for c in cases if c["id"] in only]
+    elif quick:
+        cases = [c for c in cases if c["id"] not in SLOW]
+    print(f"Verdicts against the hardware: {len(cases)} published cases "
+          f"({'quick: without ' + str(len(SLOW)) + ' slow ones' if quick and not only else 'all'}"
+          f"), bench/fit_cases.json; fits = peak tile <= its SRAM")
+    t0 = time.perf_counter()
+    rows = []
+    for case in cases:
+        row = run_case(case)
+        rows.append(row)
+        detail = (f"{row['peak_tile_bytes']:,} B of {row['capacity_bytes']:,}" if row.get("built")
+                  else row.get("reason") or row.get("error", ""))
+        print(f"  {row['id']}: {row['verdict']} (published {row['published']}, {_mark(row)}) "
+              f"{detail} [{row.get('seconds', 0)} s]", flush=True)
+    print()
+    for line in table_lines(rows):
+        print(line)
+    print()
+    print("  Not expressed, per case:")
+    for r in rows:
+        if r.get("built") and r.get("unexpressed"):
+            print(f"  - {r['id']}: " + "; ".join(r["unexpressed"]))
+        elif r.get("error"):
+            print(f"  - {r['id']}: ERROR {r['error']}")
+    s = score(rows)
+    print()
+    for line in score_lines(s):
+        print(line)
+    wall = time.perf_counter() - t0
+    slowest = sorted((r for r in rows if r.get("built")), key=lambda r: -r.get("seconds", 0))[:5]
+    print(f"  {wall:.0f} s in all; slowest: "
+          + ", ".join(f"{r['id']} {r.get('seconds', 0):.0f} s" for r in slowest))
+    rows.append({"summary": {**s, "seconds": round(wall, 1), "quick": quick,
+                             "cases": [c["id"] for c in cases]}})
+    return rows
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    only = args[args.index("--only") + 1:] if "--only" in args else None
+    main("--quick" in args, only)
