@@ -32,6 +32,19 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
 
 
+def float64_twin(build, model: keras.Model) -> keras.Model:
+    """``build()`` made under ``floatx("float64")`` with ``model``'s weights: a reference that
+    rounds alike on every CPU (float32 references depend on the host's instruction set)."""
+    before = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    try:
+        twin = build()
+    finally:
+        keras.config.set_floatx(before)
+    twin.set_weights([np.asarray(w, np.float64) for w in model.get_weights()])
+    return twin
+
+
 def mlp(n_in: int = 16, n_out: int = 4, dropout: float = 0.0) -> keras.Model:
     return keras.Sequential(
         [

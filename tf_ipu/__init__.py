@@ -74,6 +74,11 @@ def _set_up() -> None:
             from tf_ipu import graphcore as _graphcore
 
             _graphcore.install()  # `from tensorflow.python import ipu` now finds this project
+            from tf_ipu import keras_integration
+
+            # Graphcore's Keras has the model methods (set_gradient_accumulation_options, ...)
+            # on every model, built under a strategy or not.
+            keras_integration.install()
             _state["done"] = True
         finally:
             _state["running"] = False

@@ -10,8 +10,10 @@ waits for a part nobody has started: when every core is busy with other sessions
 kernel simply runs its parts itself, one after another (no deadlock when calls nest, no queue
 behind other sessions).
 
-Parts must write disjoint outputs; a kernel's result then does not depend on how many threads
-ran it (each element is computed by the same numpy call on the same inputs).
+Parts must write disjoint outputs, and a kernel cuts its work by the problem's size alone
+(:func:`parts_for`), never by the thread count: a BLAS call's summation order can depend on
+the shape it is handed (small-matrix kernels), so the same cut on 1 or 8 threads is what
+makes a kernel's result independent of how many threads ran it.
 
 The thread count is ``TF_IPU_EMULATOR_THREADS`` when set, else the CPUs this process may run
 on; the device server's ``--emulator-threads`` sets it (:func:`set_threads`). BLAS itself stays
@@ -29,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["matmul", "run_parts", "scratch", "set_threads", "split", "threads"]
+__all__ = ["matmul", "parts_for", "run_parts", "scratch", "set_threads", "split", "threads"]
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -132,6 +134,14 @@ def run_parts(part: Callable[[int], None], count: int) -> None:
 
 # Below this many multiply-adds per part, handing a part to another thread costs more than it saves.
 MIN_PART_MACS = 1 << 21
+# The most parts a product is cut into, whatever the thread count (8 keeps 2-8 cores busy).
+MAX_PARTS = 8
+
+
+def parts_for(macs: int) -> int:
+    """How many parts a kernel of ``macs`` multiply-adds is cut into: a function of the work
+    alone, so that the cut (and with it every result bit) is the same on any thread count."""
+    return max(1, min(MAX_PARTS, int(macs) // MIN_PART_MACS))
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -141,7 +151,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = a.shape[0] if a.ndim == 3 else 1
-    parts = min(_threads, (batch * m * k * n) // MIN_PART_MACS)
+    parts = parts_for(batch * m * k * n)
     if parts <= 1:
         return np.matmul(a, b, out=out)
     if out is None:

@@ -196,7 +196,7 @@ def convolution(ctx: KernelContext) -> KernelFn:
     pointwise_cf = pointwise and in_channels_first and out_channels_first
     hw = math.prod(sp)
     pw_parts = [(i, r0, r1) for i in range(n)
-                for r0, r1 in parallel.split(ko, max(1, min(parallel.threads(), (ko * c * hw) // parallel.MIN_PART_MACS)))]
+                for r0, r1 in parallel.split(ko, parallel.parts_for(ko * c * hw))]
     unit_slices = _unit_window_slices(sp, os_, ws) if unit else None
     row_budget = max(1, _BLOCK_ELEMENTS // max(1, groups * kc))
     blocks = _blocks(nb, os_[0], math.prod(os_[1:]), row_budget)
