@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse this opcode in every compile (repeatable)")
     p.add_argument("--fault-inject", default="", metavar="OP",
                    help="perturb this opcode's results in every compiled program")
+    p.add_argument("--allow-test-options", action="store_true",
+                   help="accept clients' test switches (a Compile's fault_inject_opcode); "
+                        "refused with PERMISSION_DENIED by default")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help=f"largest gRPC message either way; a larger request gets "
                         f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_MESSAGE_BYTES})")
@@ -264,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_message_bytes=args.max_message_bytes,
         refuse_opcodes=tuple(args.refuse_opcode),
         fault_inject_opcode=args.fault_inject,
+        allow_test_options=args.allow_test_options,
         cache_entries=args.cache_entries,
         max_session_bytes=args.max_session_bytes,
         request_deadline_seconds=args.request_deadline,

@@ -134,6 +134,10 @@ class ServiceConfig:
         refuse_opcodes: opcodes refused by every compile (added to the request's).
         fault_inject_opcode: opcode whose results every compile perturbs (takes precedence
             over the request's).
+        allow_test_options: whether clients may send test switches (``CompileOptions.
+            fault_inject_opcode``); False: a Compile asking for one is refused with
+            PERMISSION_DENIED (the ``--allow-test-options`` flag; a client's own local
+            server allows them).
         cache_entries: bound of the executable cache.
         max_waiting_calls: calls of one session that may queue behind the running one.
         max_session_bytes: bytes of resident variables one session may hold, and the
@@ -155,6 +159,7 @@ class ServiceConfig:
     max_message_bytes: int = 1 << 30
     refuse_opcodes: tuple[str, ...] = ()
     fault_inject_opcode: str = ""
+    allow_test_options: bool = False
     cache_entries: int = 128
     max_waiting_calls: int = 8
     max_session_bytes: int = 4 << 30
@@ -837,6 +842,13 @@ class DeviceService:
                         f"valid Module: {type(e).__name__}: {e}", kind="undecodable-request",
                     ) from None
             refuse = frozenset(request.options.refuse_opcodes) | self._server_refuse
+            if request.options.fault_inject_opcode and not self.config.allow_test_options:
+                raise ServiceError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"Compile of {module.name!r}: fault_inject_opcode="
+                    f"{request.options.fault_inject_opcode[:64]!r} is a test switch, and this "
+                    f"server refuses test switches from clients (its operator allows them with "
+                    f"--allow-test-options).", kind="test-option-refused")
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
             allow_oom = request.options.allow_out_of_memory
             numerics = _numerics_options(request.options)

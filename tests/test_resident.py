@@ -194,6 +194,36 @@ def test_a_lost_session_names_the_step_the_host_holds(strategy, ipu_system):
     assert int(model.optimizer.iterations.numpy()) == 5
 
 
+def test_weights_that_cannot_be_read_back_at_a_close_are_named_at_the_next_call(
+        strategy, ipu_system, monkeypatch, caplog):
+    """A reconfigure or shutdown reads the device-only values back first; if that fails, the
+    error is logged, and the next device call raises (once) naming the variables and the step
+    the host's copies hold, instead of training on from older weights without a word."""
+    x, y = classification_data(32, (16,), seed=5)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                      steps_per_execution=2)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # step 2 (end of epoch 1) on the host
+    held = [w.copy() for w in model.get_weights()]
+    model.train_on_batch(x[:16], y[:16])  # step 3 stays on the device
+    rt = tf_ipu.get_runtime()
+
+    def unreadable(keys, guarded=True):
+        raise ConnectionError("the server went away")
+
+    with monkeypatch.context() as m:
+        m.setattr(rt, "_refresh_keys", unreadable)
+        with caplog.at_level("ERROR", logger="tf_ipu"):
+            rt._disconnect()  # what a new configuration or shutdown does
+    assert "could not read the device's variables back" in caplog.text
+    assert "step 2 (end of epoch 1)" in caplog.text
+    with pytest.raises(tf.errors.DataLossError, match=r"could not be read back.*step 2 \(end of epoch 1\)"):
+        model.train_on_batch(x[:16], y[:16])
+    _close(model.get_weights(), held, "host copies after the failed read-back")
+    model.train_on_batch(x[:16], y[:16])  # said once: training goes on from the host's copies
+
+
 @pytest.mark.parametrize("build,shape", [(mlp, (16,)), (small_cnn, (8, 8, 4))],
                          ids=["mlp", "small_cnn"])
 def test_the_device_loop_holds_the_step_once(strategy, build, shape):

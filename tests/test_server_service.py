@@ -591,6 +591,28 @@ def test_executable_cache_is_bounded_and_handles_survive_eviction(limited):
 # -- security ----------------------------------------------------------------------------------
 
 
+def test_test_switches_are_refused_unless_the_operator_allows_them(limited, device_server):
+    """A standalone server refuses a client's fault_inject_opcode (PERMISSION_DENIED, naming
+    the switch and the flag) and goes on serving; a server started with
+    --allow-test-options (the suite's, a client's own local server) honours it."""
+    module = su.sgd_module(batch=16, dim=8, name="sgd_switch")
+    with DeviceClient(limited.address) as c:
+        c.open_session()
+        c.attach(1)
+        with pytest.raises(errors.DeviceError, match=r"fault_inject_opcode='dot' is a test switch.*"
+                           r"--allow-test-options") as info:
+            c.compile(module, fault_inject_opcode="dot")
+        assert info.value.code == "PERMISSION_DENIED" and info.value.kind == "test-option-refused"
+        check_sgd(c, c.compile(module).executable_id)  # the session goes on
+    assert not build_parser().parse_args([]).allow_test_options
+    with DeviceClient(device_server) as c:
+        c.open_session()
+        c.attach(1)
+        loss, _ = c.execute(c.compile(module, fault_inject_opcode="dot").executable_id, [X, Y, W],
+                            return_updated_variables=False)
+        assert not np.allclose(loss, su.sgd_reference(X, Y, W)[0], rtol=1e-3)
+
+
 def test_nothing_is_pickled_or_evaluated_and_loopback_is_the_default():
     sources = [*(su.ROOT / "device_server").glob("*.py"), su.ROOT / "tf_ipu" / "client.py",
                su.ROOT / "tf_ipu" / "runtime.py", su.ROOT / "device_server" / "protocol" / "dtypes.py"]

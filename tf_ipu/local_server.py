@@ -127,6 +127,7 @@ def start_local_server(
         "--parent-pid", str(os.getpid()),
         "--ipus", str(num_ipus), "--ipu-version", ipu_version,
         "--unix-socket", os.path.join(workdir, "grpc.sock"),
+        "--allow-test-options",  # this process's own server: its debug switches are its own
         *[str(a) for a in extra_args],
     ]
     with open(log_path, "wb") as log:

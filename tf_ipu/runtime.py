@@ -187,6 +187,9 @@ class DeviceRuntime:
         self._stats = {"calls": 0, "client_seconds": 0.0, "device_seconds": 0.0}
         self._in_flight = 0
         self.interrupts = 0   # Ctrl-Cs that cancelled a device call
+        # Newer device values a closing session could not give back (reconfigure, shutdown):
+        # the next device call raises it once, naming the step the host's copies hold.
+        self._pending_loss: errors.DeviceStateLostError | None = None
 
     # -- configuration -------------------------------------------------------------------
     @property
@@ -361,6 +364,9 @@ class DeviceRuntime:
         retries once."""
         for attempt in (0, 1):
             self.ensure_configured()
+            if self._pending_loss is not None:  # said once: the host's copies are the truth now
+                loss, self._pending_loss = self._pending_loss, None
+                raise loss
             try:
                 return fn()
             except errors.DeviceError as e:
@@ -416,8 +422,15 @@ class DeviceRuntime:
                 # Nothing is lost by a close: fetch what only the device holds first.
                 self._refresh_keys(self.residency.stale_keys(), guarded=False)
             except Exception as e:  # the server may be gone: what it held is lost then
-                _log.warning("tf_ipu: could not read the device's variables back before "
-                             "closing the session: %s", e)
+                lost = self.residency.lose_session()
+                what = lost.describe() if lost else "nothing was lost."
+                _log.error("tf_ipu: could not read the device's variables back before closing "
+                           "the session (%s: %s); %s", type(e).__name__, e, what)
+                if lost is not None:
+                    self._pending_loss = errors.DeviceStateLostError(
+                        f"The session on the device server was closed (a new configuration or "
+                        f"shutdown) but its variables could not be read back ({type(e).__name__}: "
+                        f"{e}); {what}", self._client.address, "device-state-lost")
             try:
                 self._client.close()
             except Exception:  # the server may be gone; nothing to release then
