@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-inject", default="", metavar="OP",
                    help="perturb this opcode's results in every compiled program")
     p.add_argument("--allow-test-options", action="store_true",
-                   help="accept clients' test switches (a Compile's fault_inject_opcode); "
+                   help="accept clients' test switches (a Compile's fault_inject_opcode and "
+                        "refuse_opcodes); "
                         "refused with PERMISSION_DENIED by default")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help=f"largest gRPC message either way; a larger request gets "

@@ -135,7 +135,8 @@ class ServiceConfig:
         fault_inject_opcode: opcode whose results every compile perturbs (takes precedence
             over the request's).
         allow_test_options: whether clients may send test switches (``CompileOptions.
-            fault_inject_opcode``); False: a Compile asking for one is refused with
+            fault_inject_opcode`` and ``refuse_opcodes``); False: a Compile asking for one is
+            refused with
             PERMISSION_DENIED (the ``--allow-test-options`` flag; a client's own local
             server allows them).
         cache_entries: bound of the executable cache.
@@ -842,11 +843,14 @@ class DeviceService:
                         f"valid Module: {type(e).__name__}: {e}", kind="undecodable-request",
                     ) from None
             refuse = frozenset(request.options.refuse_opcodes) | self._server_refuse
-            if request.options.fault_inject_opcode and not self.config.allow_test_options:
+            switches = [f"{name}={value!r}" for name, value in (
+                ("fault_inject_opcode", request.options.fault_inject_opcode[:64]),
+                ("refuse_opcodes", [o[:64] for o in request.options.refuse_opcodes[:8]])) if value]
+            if switches and not self.config.allow_test_options:
                 raise ServiceError(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"Compile of {module.name!r}: fault_inject_opcode="
-                    f"{request.options.fault_inject_opcode[:64]!r} is a test switch, and this "
+                    f"Compile of {module.name!r}: {' and '.join(switches)} "
+                    f"{'are test switches' if len(switches) > 1 else 'is a test switch'}, and this "
                     f"server refuses test switches from clients (its operator allows them with "
                     f"--allow-test-options).", kind="test-option-refused")
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode

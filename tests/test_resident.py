@@ -223,6 +223,21 @@ def test_weights_that_cannot_be_read_back_at_a_close_are_named_at_the_next_call(
     _close(model.get_weights(), held, "host copies after the failed read-back")
     model.train_on_batch(x[:16], y[:16])  # said once: training goes on from the host's copies
 
+    # A new configuration raises at once, unless IPUConfig.device_connection.allow_stale_weights.
+    for allowed in (False, True):
+        model.train_on_batch(x[:16], y[:16])  # a newer value on the device again
+        with monkeypatch.context() as m:
+            m.setattr(rt, "_refresh_keys", unreadable)
+            m.setattr(ipu_system.device_connection, "allow_stale_weights", allowed)
+            rt._config_key = None  # a configuration that must reconnect
+            if allowed:
+                ipu_system.configure_ipu_system()
+            else:
+                with pytest.raises(tf_ipu.errors.DeviceStateLostError, match=r"could not be read back.*"
+                                   r"The host holds the weights of step 2 \(end of epoch 1\)"):
+                    ipu_system.configure_ipu_system()
+        model.train_on_batch(x[:16], y[:16])  # then on from the host's copies, without a word more
+
 
 @pytest.mark.parametrize("build,shape", [(mlp, (16,)), (small_cnn, (8, 8, 4))],
                          ids=["mlp", "small_cnn"])

@@ -592,7 +592,7 @@ def test_executable_cache_is_bounded_and_handles_survive_eviction(limited):
 
 
 def test_test_switches_are_refused_unless_the_operator_allows_them(limited, device_server):
-    """A standalone server refuses a client's fault_inject_opcode (PERMISSION_DENIED, naming
+    """A standalone server refuses a client's fault_inject_opcode or refuse_opcodes (PERMISSION_DENIED, naming
     the switch and the flag) and goes on serving; a server started with
     --allow-test-options (the suite's, a client's own local server) honours it."""
     module = su.sgd_module(batch=16, dim=8, name="sgd_switch")
@@ -603,6 +603,8 @@ def test_test_switches_are_refused_unless_the_operator_allows_them(limited, devi
                            r"--allow-test-options") as info:
             c.compile(module, fault_inject_opcode="dot")
         assert info.value.code == "PERMISSION_DENIED" and info.value.kind == "test-option-refused"
+        with pytest.raises(errors.DeviceError, match=r"refuse_opcodes=\['tanh'\] is a test switch"):
+            c.compile(module, refuse_opcodes=["tanh"])
         check_sgd(c, c.compile(module).executable_id)  # the session goes on
     assert not build_parser().parse_args([]).allow_test_options
     with DeviceClient(device_server) as c:

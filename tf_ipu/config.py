@@ -460,9 +460,14 @@ class DeviceConnectionOptions(_Section):
             ``ipu_model.version``'s values; "" means ``ipu_model.version``).
         enable_remote_buffers: Graphcore's flag for remote buffers when not attaching;
             accepted and kept (there are no remote buffers to use here).
+        allow_stale_weights: when a new configuration closes a session whose newer variable
+            values cannot be read back (the server went away), go on from the host's copies
+            (logged, naming the step they hold) instead of raising ``DeviceStateLostError``
+            from ``configure_ipu_system`` (False, the default). This project's option.
     """
 
-    _fields = {"type": DeviceConnectionType.ALWAYS, "version": "", "enable_remote_buffers": False}
+    _fields = {"type": DeviceConnectionType.ALWAYS, "version": "", "enable_remote_buffers": False,
+               "allow_stale_weights": False}
     _notes = {"enable_remote_buffers": (Effect.IGNORED, _NO_REMOTE)}
     _path = "IPUConfig.device_connection"
 
@@ -477,7 +482,7 @@ class DeviceConnectionOptions(_Section):
                 f"IPUConfig.device_connection.version must be '' or one of "
                 f"{sorted(IPU_VERSIONS)}. Received: {value!r}"
             )
-        if name == "enable_remote_buffers" and not isinstance(value, bool):
+        if name in ("enable_remote_buffers", "allow_stale_weights") and not isinstance(value, bool):
             raise ValueError(f"{self._path}.{name} must be a bool. Received: {value!r}")
         return str(value).lower() if name == "version" else value
 

@@ -38,7 +38,7 @@ _reader: socket.socket | None = None
 _writer: socket.socket | None = None
 _previous_fd = -1          # the wakeup fd installed before ours, to forward to
 _thread: threading.Thread | None = None
-interrupts_seen = 0        # SIGINTs the watcher has passed on (for tests and logs)
+_interrupts_seen = 0        # SIGINTs the watcher has passed on (for tests and logs)
 
 
 def on_interrupt(callback: Callable[[], None]) -> None:
@@ -74,7 +74,7 @@ def install() -> bool:
 
 
 def _watch(reader: socket.socket) -> None:
-    global interrupts_seen
+    global _interrupts_seen
     while True:
         try:
             data = reader.recv(64)
@@ -89,7 +89,7 @@ def _watch(reader: socket.socket) -> None:
             except OSError:  # its owner closed it; nothing to forward to
                 pass
         if signal.SIGINT in data:
-            interrupts_seen += 1
+            _interrupts_seen += 1
             with _lock:
                 callbacks = list(_callbacks)
             for callback in callbacks:

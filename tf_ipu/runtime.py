@@ -307,6 +307,14 @@ class DeviceRuntime:
             self.ensure_handler()
             interrupt.on_interrupt(self._on_interrupt)
             interrupt.install()
+            if self._pending_loss is not None:  # the old session's newer values are gone
+                loss = self._pending_loss
+                if not cfg.device_connection.allow_stale_weights:
+                    self._pending_loss = None
+                    raise loss
+                _log.warning("tf_ipu: IPUConfig.device_connection.allow_stale_weights is set: "
+                             "training goes on from the host's copies (%s)", loss)
+                self._pending_loss = None
 
     def _on_interrupt(self) -> None:
         """Ctrl-C (on the watcher thread, tf_ipu.interrupt): cancels the device call in
