@@ -1461,15 +1461,18 @@ def _estimate(est: Any) -> device_pb2.Estimate:
         report = json.dumps(est.to_dict(), sort_keys=True, default=str)
     except (TypeError, ValueError) as e:
         report = json.dumps({"error": f"report not serializable: {e}"})
+    def i64(x: Any) -> int:  # a figure past int64 (a loop of 2^60 trips) saturates; the JSON has it whole
+        return max(-(1 << 63), min((1 << 63) - 1, int(x)))
+
     return device_pb2.Estimate(
         ipu_version=str(est.ipu_version),
         tiles_per_ipu=int(est.tiles_per_ipu),
         clock_hz=float(est.clock_hz),
-        cycles=int(est.cycles),
+        cycles=i64(est.cycles),
         seconds=float(est.seconds),
-        peak_tile_bytes=int(est.peak_tile_bytes),
-        tile_bytes_limit=int(est.tile_bytes_limit),
-        total_bytes=int(est.total_bytes),
+        peak_tile_bytes=i64(est.peak_tile_bytes),
+        tile_bytes_limit=i64(est.tile_bytes_limit),
+        total_bytes=i64(est.total_bytes),
         fits=bool(est.fits),  # False also when unknown: the report's "fits" is null then
         json=report,
     )

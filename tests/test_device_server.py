@@ -311,13 +311,19 @@ def _mutations() -> list[tuple[str, ir_pb2.Module]]:
         m.computations[0].instructions[2].attrs["value"].literal, "data", b"\0" * 5))
     mutant("add of mismatched shapes", lambda m: m.computations[0].instructions[1].shape.dims.__setitem__(0, 5))
     mutant("alias to a missing output", lambda m: setattr(m.aliases[0], "output_index", 9))
+    # Found by tests/fuzz_server.py --seed 20261202 (answered INTERNAL "Value out of range"
+    # when the estimate's bytes overflowed int64): a shape with a negative dimension.
+    mutant("negative dimension", lambda m: m.computations[0].instructions[3].shape.dims.__setitem__(0, -(1 << 63)))
     return out
 
 
 @pytest.mark.parametrize("what,module", _mutations(), ids=[w for w, _ in _mutations()])
 def test_mutated_module_is_invalid_argument(client, what, module):
-    with pytest.raises(errors.InvalidArgumentError):
+    with pytest.raises(errors.InvalidArgumentError) as info:
         client.compile(module)
+    if what == "negative dimension":
+        assert "dimension 0 of its shape is -9223372036854775808" in str(info.value)
+
 
 
 def test_garbage_request_is_refused_and_server_keeps_serving(client, device_server):

@@ -243,6 +243,11 @@ class CompileOptions:
             out[opcode] = float(value)
         return out
 
+    def partials_types(self) -> dict[str, str]:
+        """Opcode -> the partialsType its products are planned with ("float" or "half")."""
+        return {"dot": self.matmul_partials_type or self.partials_type,
+                "convolution": self.convolution_partials_type or self.partials_type}
+
     def numerics(self, target: Target) -> numerics.Numerics:
         """The numerics these options ask for on ``target``."""
         kinds = {}
@@ -726,6 +731,7 @@ class _Compiler:
                     )
             if instr.id in by_id:
                 raise InvalidProgramError(f"computation '{comp.name}': duplicate instruction id {instr.id}.")
+            _check_dims(instr, instr.shape)
             by_id[instr.id] = instr
         if comp.root_id not in by_id:
             raise InvalidProgramError(f"computation '{comp.name}': root {comp.root_id} does not exist.")
@@ -1824,6 +1830,7 @@ def compile_module(
                           optimizer_state_offload=options.optimizer_state_offload,
                           optimizer_state_sharding=options.optimizer_state_sharding,
                           memory_proportions=options.memory_proportions(),
+                          partials_types=options.partials_types(),
                           on_failure="report")
     if est.refused and not options.allow_out_of_memory:
         raise OutOfMemoryError(est.oom_message())
@@ -1904,6 +1911,31 @@ def _build_program(module: ir_pb2.Module, target: Target,
     compiler.check_supported(entry)
     return compiler, compiler.program(entry.id)
 
+
+
+# The most elements an array may have (2^48, 256 TiB of bytes): beyond it an element count
+# overflows the tile model's and numpy's 64-bit arithmetic long before anything could run.
+_MAX_ELEMENTS = 1 << 48
+
+
+def _check_dims(instr: ir_pb2.Instruction, shape: ir_pb2.Shape, depth: int = 0) -> None:
+    """Refuses a shape no program can hold: a negative dimension or more than
+    ``_MAX_ELEMENTS`` elements, naming the instruction and the dimension."""
+    if shape.is_tuple:
+        if depth > 64:
+            raise InvalidProgramError(f"{describe(instr)}: tuple shapes nested deeper than 64.")
+        for t in shape.tuple_shapes:
+            _check_dims(instr, t, depth + 1)
+        return
+    count = 1
+    for k, d in enumerate(shape.dims):
+        if d < 0:
+            raise InvalidProgramError(f"{describe(instr)}: dimension {k} of its shape is {d}; "
+                                      f"dimensions are 0 or more.")
+        count *= d
+    if count > _MAX_ELEMENTS:
+        raise InvalidProgramError(f"{describe(instr)}: its shape {list(shape.dims)} has {count:,} "
+                                  f"elements, over the {_MAX_ELEMENTS:,} an array may have.")
 
 @dataclass
 class _Signature:
