@@ -112,6 +112,42 @@ def test_compile_options_carry_the_proportion_into_the_estimate() -> None:
     assert "availableMemoryProportion" not in plain._repr_html_()
 
 
+def test_half_partials_halve_the_partial_sums_of_fp16_products_only() -> None:
+    """partialsType half: an FP16 product split over K holds and exchanges FP16 partial sums
+    (2 bytes, not 4); FP32 products keep FP32 partials; compile options carry it per kind."""
+    from device_server.emulator.tiles.matmul import MatmulProblem, plan_matmul
+
+    fp16 = MatmulProblem(1, 64, 64, 65536, 1, 64 * 65536 * 2, 65536 * 64 * 2, 0.0, 2, 2, True)
+    full, half = plan_matmul(fp16, GC200), plan_matmul(
+        MatmulProblem(**{**fp16.__dict__, "partials_bytes": 2}), GC200)
+    assert full.pk > 1 and half.reduce_recv_bytes_per_tile < full.reduce_recv_bytes_per_tile
+    assert half.temp_bytes_per_tile < full.temp_bytes_per_tile
+    module = _conv_module(16, 56, 256, 256)
+    plain, _ = _product(module, "convolution", 0.1)
+    plan = plan_module(module, GC200, memory_proportions={"convolution": 0.1},
+                       partials_types={"convolution": "half"})
+    (rec,) = [r for r in plan.ops.values() if r.opcode == "convolution"]
+    assert rec.temp_bytes_per_tile <= plain.temp_bytes_per_tile
+    assert rec.cycles <= plain.cycles  # fewer bytes to keep and to exchange: no worse a plan
+    plan = plan_module(module, GC200, memory_proportions={"convolution": 0.1}, partials_types={"dot": "half"})
+    (other,) = [r for r in plan.ops.values() if r.opcode == "convolution"]
+    assert (other.plan, other.temp_bytes_per_tile) == (plain.plan, plain.temp_bytes_per_tile)
+    b = eu.IRBuilder("dot32")  # FP32 operands: partialsType half changes nothing
+    x, y = b.parameter(np.float32, [2048, 2048]), b.parameter(np.float32, [2048, 2048])
+    b.root(b.op("dot", [x, y], np.float32, [2048, 2048], lhs_contracting_dimensions=[1],
+                rhs_contracting_dimensions=[0], lhs_batch_dimensions=[], rhs_batch_dimensions=[]))
+    fp32 = [compile_module(b.module(), GC200, CompileOptions(partials_type=p)).estimate for p in ("float", "half")]
+    assert fp32[0].peak_tile_bytes == fp32[1].peak_tile_bytes
+    dot = _dot_module(2048)
+    est = [compile_module(dot, GC200, CompileOptions(matmul_available_memory_proportion=0.1, matmul_partials_type=p)
+                          ).estimate for p in ("float", "half")]
+    assert est[1].peak_temporary_bytes <= est[0].peak_temporary_bytes
+    assert est[1].context["half_partials"] == ["dot"]
+    assert "partialsType half" in est[1]._repr_html_() and "half_partials" not in est[0].context
+    with pytest.raises(ValueError, match="partialsType"):
+        plan_module(module, GC200, partials_types={"dot": "double"})
+
+
 # ------------------------------------------------------------------ IPUConfig: values checked
 
 

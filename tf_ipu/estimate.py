@@ -334,6 +334,7 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
              epochs: float | None = None, steps: int | None = None,
              recomputation: bool | None = None,
              available_memory_proportion: float | str | Mapping[str, float] | None = None,
+             partials_type: str | Mapping[str, str] | None = None,
              ) -> Estimate | TrainingEstimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
 
@@ -374,6 +375,11 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             tile's memory their temporaries may use (lower: fewer temporaries, more cycles).
             None: ``IPUConfig.matmuls`` / ``convolutions.poplar_options`` of the configured
             system, else the preset's 0.6.
+        partials_type: PopLibs' ``partialsType``, ``"float"`` or ``"half"``, for every matmul
+            and convolution, or ``{"matmul": ..., "convolution": ...}``: FP16 products planned
+            with "half" hold and exchange FP16 partial sums (half their bytes). None:
+            ``IPUConfig.matmuls`` / ``convolutions`` (``partials_type`` or
+            ``poplar_options["partialsType"]``) of the configured system, else "float".
 
     Returns:
         An :class:`Estimate`: ``.latency_s``, ``.throughput`` (items/s), ``.cycles``,
@@ -413,6 +419,7 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     many = {"replicas": replicas, "system": system, "ipu_ids": tuple(ipu_ids)}
     _replication(replicas, system, tuple(ipu_ids), target)  # checked before lowering
     many["memory_proportions"] = _memory_proportions(available_memory_proportion)
+    many["partials_types"] = _partials_types(partials_type)
     if recomputation:  # a program without a pipeline: allow_recompute's cheap remaking
         many["recomputation"] = True
     x_specs = _input_specs(model, batch_size, input_spec)
@@ -558,6 +565,37 @@ def _memory_proportions(given: float | str | Mapping[str, float] | None) -> dict
         amp = getattr(getattr(cfg, group, None), "available_memory_proportion", None)
         if amp is not None:
             out[opcode] = float(amp)
+    return out
+
+
+def _partials_types(given: str | Mapping[str, str] | None) -> dict[str, str]:
+    """Opcode -> partialsType of the plans: ``given`` for dot and convolution, else the
+    configured ``IPUConfig``'s (else none: FP32 partials)."""
+    from tf_ipu import runtime
+
+    ops = {"matmul": "dot", "matmuls": "dot", "dot": "dot", "convolution": "convolution",
+           "convolutions": "convolution"}
+    if isinstance(given, Mapping):
+        unknown = sorted(set(given) - set(ops))
+        if unknown:
+            raise ValueError(f"tf_ipu.estimate: partials_type keys are 'matmul' and "
+                             f"'convolution'. Received: {dict(given)!r}")
+        chosen = {ops[k]: v for k, v in given.items()}
+    elif given is not None:
+        chosen = {"dot": given, "convolution": given}
+    else:
+        cfg = runtime.get_runtime().config
+        chosen = {}
+        for opcode, group in (("dot", "matmuls"), ("convolution", "convolutions")):
+            kind = getattr(getattr(cfg, group, None), "effective_partials_type", None)
+            if kind is not None:
+                chosen[opcode] = kind
+    out = {}
+    for opcode, kind in chosen.items():
+        if not isinstance(kind, str) or kind.lower() not in ("float", "half"):
+            raise ValueError(f"tf_ipu.estimate: partials_type must be 'float' or 'half' "
+                             f"(PopLibs' partialsType). Received: {kind!r}")
+        out[opcode] = kind.lower()
     return out
 
 

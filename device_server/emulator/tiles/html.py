@@ -604,6 +604,8 @@ def render_html(report: dict[str, Any]) -> str:
     if ctx.get("available_memory_proportion"):
         summary.append(("availableMemoryProportion", ", ".join(
             f"{op} {v:g}" for op, v in ctx["available_memory_proportion"].items())))
+    if ctx.get("half_partials"):
+        summary.append(("partialsType half", ", ".join(ctx["half_partials"])))
     summary += [
         ("latency per call", _fmt_s(seconds)),
         ("throughput", f"{thr:,.1f} {'items' if items else 'calls'}/s"),

@@ -15,8 +15,10 @@ as Poplar plans it. A plan splits ``G, M, N, K`` over ``pg * pm * pn * pk`` tile
 2. runs the AMP on ``g x m x n x k``, rounded up to the AMP's channel groups
    (``amp_*_input_channels`` / ``amp_*_output_channels``), or the vector unit when that is
    faster (depthwise convolutions, integer products);
-3. if ``pk > 1``, sends its FP32 partial sums to the tiles that own the output, which add them
-   (one more superstep).
+3. if ``pk > 1``, sends its partial sums to the tiles that own the output, which add them
+   (one more superstep). Partials are FP32 (PopLibs' ``partialsType`` "float", the default),
+   or FP16 for FP16 operands planned with ``partialsType`` "half" (half the partials' bytes
+   on a tile and in the reduction's exchange).
 
 Operands that are entry parameters not yet laid out (weights, mostly) are laid out for the plan,
 as Poplar creates a matmul's weights: each tile already holds its part of the blocks it uses
@@ -69,6 +71,9 @@ class MatmulProblem:
                           # positions needs part of one image (plus the halo)
     a_local: bool = False  # the input is laid out for this plan (a parameter mapped by it)
     b_local: bool = False  # the weights are laid out for this plan
+    partials_bytes: int = 4  # bytes of a partial sum: 4 (FP32, PopLibs' default partialsType
+                             # "float"; 32-bit integer accumulators), 2 (FP16 operands with
+                             # partialsType "half")
 
     @property
     def flops(self) -> float:
@@ -191,7 +196,7 @@ def plan_matmul(problem: MatmulProblem, target: Target,
         recv_b = recv_b * (pm - 1) / pm
     if problem.a_local:
         recv_a = recv_a * (pn - 1) / pn
-    acc = 4.0  # FP32 partials (and 32-bit integer accumulators)
+    acc = float(problem.partials_bytes)
     partials = g * m * n * acc
     reduce = pk > 1
 

@@ -229,12 +229,24 @@ def live_instructions(comp: ir_pb2.Computation) -> list[ir_pb2.Instruction]:
     return [i for i in comp.instructions if i.id in needed or i.opcode == "parameter"] if by_id else []
 
 
+def _partials_types(given: Mapping[str, str] | None) -> dict[str, str]:
+    out = {}
+    for opcode, kind in (given or {}).items():
+        kind = str(kind).lower()
+        if kind not in ("float", "half"):
+            raise ValueError(f"partials type of {opcode!r} must be 'float' or 'half' (PopLibs' "
+                             f"partialsType). Received: {kind!r}")
+        out[str(opcode)] = kind
+    return out
+
+
 def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = None, *,
                 param_kinds: dict[int, str] | None = None,
                 mappings: dict[str, TileMapping] | None = None,
                 replication: Replication | None = None,
                 implied_all_reduce_bytes: int = 0, stages: int = 1,
-                memory_proportions: Mapping[str, float] | None = None) -> ModulePlan:
+                memory_proportions: Mapping[str, float] | None = None,
+                partials_types: Mapping[str, str] | None = None) -> ModulePlan:
     """Plans ``module`` for ``target`` (see module docstring).
 
     Args:
@@ -258,6 +270,10 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
             of those products may use for temporaries (PopLibs' availableMemoryProportion,
             0 .. 1; ``matmul.plan_matmul``); an opcode not named: the preset's
             ``available_memory_proportion``.
+        partials_types: ``"dot"`` / ``"convolution"`` -> PopLibs' partialsType of those
+            products' plans, ``"float"`` or ``"half"``: FP16 products planned with "half"
+            hold and exchange FP16 partial sums (half the bytes); an opcode not named, or
+            FP32 operands: FP32 partials.
 
     Returns:
         The :class:`ModulePlan`.
@@ -265,6 +281,7 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
     planner = _Planner(module, target, live or live_instructions, param_kinds, mappings, replication,
                        stages)
     planner.memory_proportions = {str(k): float(v) for k, v in (memory_proportions or {}).items()}
+    planner.partials_types = _partials_types(partials_types)
     entry, params = planner.plan_entry()
     if planner.rep is not None:
         planner.replica_sync(entry, "replica sync of the call", -1)

@@ -89,6 +89,8 @@ class ProductPlanning(PlannerState):
         unmapped = [isinstance(v, Buf) and v.mapping is None and v.ctx is None for v in ops[:2]]
         if any(unmapped):
             problem = dataclasses.replace(problem, a_local=unmapped[0], b_local=unmapped[1])
+        if self.partials_types.get(instr.opcode) == "half" and problem.floating and problem.itemsize <= 2:
+            problem = dataclasses.replace(problem, partials_bytes=2)  # FP16 partials
         plan: MatmulPlan = plan_matmul(problem, t, self.memory_proportions.get(instr.opcode))
         for v, fresh in zip(ops[:2], unmapped, strict=True):
             if fresh:

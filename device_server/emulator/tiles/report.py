@@ -822,10 +822,11 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                     recomputation: bool = False, optimizer_state_offload: str | bool | None = "auto",
                     optimizer_state_sharding: bool = False,
                     memory_proportions: Mapping[str, float] | None = None,
+                    partials_types: Mapping[str, str] | None = None,
                     on_failure: str = "raise") -> Estimate:
     """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
     arguments; ``memory_proportions``: PopLibs' availableMemoryProportion of ``"dot"`` and
-    ``"convolution"`` plans).
+    ``"convolution"`` plans; ``partials_types``: their partialsType, "float" or "half").
 
     ``replicas`` copies of the program run at once on ``ipu_ids`` (default: the first
     ``replicas``) of ``system`` (a ``protocol.hardware.System``; None: ``plain_system`` IPUs
@@ -872,13 +873,16 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                            replication=rep if rep.system is not None else None,
                            implied_all_reduce_bytes=0 if run else implied_all_reduce_bytes,
                            stages=pipeline_stages if run else 1,
-                           memory_proportions=memory_proportions)
+                           memory_proportions=memory_proportions, partials_types=partials_types)
         est = estimate_plan(plan, module.name, run,
                             recomputation_of(module) if run is None and recomputation else None,
                             module)
         if memory_proportions:  # PopLibs' availableMemoryProportion the products were planned with
             est.context["available_memory_proportion"] = {
                 str(k): float(v) for k, v in sorted(memory_proportions.items())}
+        half = sorted(k for k, v in (partials_types or {}).items() if str(v).lower() == "half")
+        if half:
+            est.context["half_partials"] = half
         return est
     except Exception as e:  # noqa: BLE001 - raised as TileModelError, or reported
         error = tile_model_error(module.name, e)

@@ -86,6 +86,9 @@ class PlannerState:
         # opcode ("dot", "convolution") -> PopLibs' availableMemoryProportion for its plans
         # (plan_module's memory_proportions; an opcode not named: the preset's).
         self.memory_proportions: dict[str, float] = {}
+        # Opcode -> PopLibs' partialsType of its products, "float" or "half" (plan_module's
+        # partials_types; an opcode not named: "float").
+        self.partials_types: dict[str, str] = {}
         self.scalar_cost_cache: dict[int, float] = {}
         self.aliased_params = {int(a.parameter_number) for a in module.aliases}
         self._shapes = {i.id: i.shape for c in module.computations for i in c.instructions}
