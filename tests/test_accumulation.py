@@ -104,3 +104,60 @@ def test_keras_own_accumulation_of_models_that_never_set_options_is_left_alone(i
     model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), loss="mse")
     model.fit(X[:32], Y[:32], batch_size=8, epochs=1, verbose=0)
     assert model.optimizer.gradient_accumulation_steps == 2
+
+
+@pytest.mark.parametrize("method", ["sum", "mean", "running_mean"])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "float16-sgd"])
+def test_guard_k_steps_update_once_with_the_reduced_gradients(ipu_system, method, optimizer):
+    """The guard of the accumulation built on Keras's private optimizer internals
+    (``tf_ipu/accumulation.py``): behaviour only, no attribute names. After k = 3 steps of
+    ``fit`` with ``set_gradient_accumulation_options(3, method)``, on the CPU, the weights
+    equal those of the same optimizer applied ONCE to the sum ("sum") or the mean ("mean",
+    "running_mean") of the k micro-batches' gradients, computed here with a GradientTape;
+    after k - 1 steps nothing has moved. Tolerance: 1e-5 relative L2 (FP32; float16-sgd: a
+    LossScaleOptimizer over FP16 activations, 2e-3). A failure names the Keras version: its
+    internals changed under tf_ipu."""
+    import keras
+    import tensorflow as tf
+
+    import tf_ipu  # noqa: F401  (Graphcore's model methods)
+
+    k, batch = 3, 8
+    make_optimizer = {
+        "sgd": lambda: keras.optimizers.SGD(0.05), "float16-sgd": lambda: keras.optimizers.SGD(0.05),
+        "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01)}[optimizer]
+    policy = keras.mixed_precision.global_policy()
+    if optimizer == "float16-sgd":
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        initial = _model().get_weights()
+        model = _model()
+        model.set_weights(initial)
+        model.compile(optimizer=make_optimizer(), loss="mse")
+        model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=k,
+                                                gradient_accumulation_reduction_method=method)
+        model.fit(X[:batch * (k - 1)], Y[:batch * (k - 1)], batch_size=batch, shuffle=False, verbose=0)
+        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), initial, strict=True))
+        model.fit(X[batch * (k - 1):batch * k], Y[batch * (k - 1):batch * k], batch_size=batch,
+                  shuffle=False, verbose=0)
+        # The reference: one plain optimizer step on the reduced gradients.
+        ref = _model()
+        ref.set_weights(initial)
+        grads = []
+        for i in range(k):
+            with tf.GradientTape() as tape:
+                out = ref(X[i * batch:(i + 1) * batch], training=True)
+                loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32) - Y[i * batch:(i + 1) * batch]))
+            grads.append([tf.cast(g, tf.float32) for g in tape.gradient(loss, ref.trainable_variables)])
+        reduced = [tf.add_n(gs) / (1.0 if method == "sum" else k) for gs in zip(*grads, strict=True)]
+        reference_optimizer = make_optimizer()
+        reference_optimizer.apply_gradients(zip(reduced, ref.trainable_variables, strict=True))
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    tol = 2e-3 if optimizer == "float16-sgd" else 1e-5
+    why = (f"Keras {keras.__version__}: gradient accumulation ({method}, {optimizer}) no longer "
+           f"behaves as tf_ipu/accumulation.py expects of Keras's optimizer internals")
+    assert moved == 0.0, f"{why}: the weights moved before the k-th step ({moved:.2e})"
+    got = _distance(model.get_weights(), ref.get_weights())
+    assert got <= tol, f"{why}: {got:.2e} from one update with the {method} of the gradients"
