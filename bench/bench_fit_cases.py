@@ -15,9 +15,10 @@ in ``bench/fit_cases.json`` (issue 24, point 4), beside Graphcore's own verdict.
 Models: ResNet-50 (``bench.bench_mlperf._resnet50`` for the TF1/TF2 MLPerf-style pipelines,
 ``keras.applications.ResNet50`` otherwise), BERT (``bench.bench_mlperf._bert`` for the MLPerf
 rounds, ``tf_ipu.models.bert`` otherwise), ResNeXt-50 (``tf_ipu.models.resnext``),
-EfficientNet-B0 (``keras.applications``) and the recomputation tutorial's split LSTM (built
-here from ``bench/fit_cases.md``). Cases the project cannot build (a C++ Poplar program,
-networks with no builder here) are listed as "not built" with the reason.
+EfficientNet-B0 (``keras.applications``) and the recomputation tutorial's split LSTM
+(``tf_ipu.models.recompute_lstm``, as ``bench/fit_cases.md`` mirrors it). Cases the project
+cannot build (a C++ Poplar program, networks with no builder here) are listed as "not built"
+with the reason.
 
 Scoring: fits and out-of-memory cases are scored separately (right / built, of all published);
 a controlled pair (the tutorial's 7 / 0 checkpoints, the tech note's 0.35 / 0.8) counts only
@@ -102,7 +103,13 @@ SLOW = (
 
 _SYSTEM16 = {"ipu2": "pod16", "bow": "bow-pod16"}
 _TILES = {"ipu1": 1216, "ipu2": 1472, "bow": 1472}
-_HALF_PARTIALS = "half partials (the tile model plans FP32 partials)"
+_HALF_PARTIALS = "half partials (partialsType half for convolutions and matmuls)"
+
+
+def _half_partials(case: dict[str, Any]) -> bool:
+    """Whether the case's configuration sets partialsType half (its products then hold and
+    exchange FP16 partial sums: ``tf_ipu.estimate(partials_type="half")``)."""
+    return str(case["precision"].get("partials", "")).startswith("half")
 
 
 def load_cases(path: str = CASES_PATH) -> list[dict[str, Any]]:
@@ -275,18 +282,24 @@ def _describe(plan: Plan, case: dict[str, Any]) -> str:
 
 def _resnet_plain(eight_bit: bool) -> Any:
     """keras.applications ResNet-50 (weights None) without a pipeline; with ``eight_bit`` its
-    images arrive as uint8 and are scaled on the IPU (eight_bit_io)."""
+    images arrive as uint8 and are scaled on the IPU (eight_bit_io); under a float16 policy
+    its batch norms keep FP16 activations in FP16 (``tf_ipu.models.HalfBatchNormalization``)."""
     import keras
 
     import tf_ipu
+    from tf_ipu.models import half_batch_norm
 
     with tf_ipu.IPUStrategy().scope():
         if not eight_bit:
-            return keras.applications.ResNet50(weights=None)
-        images = keras.Input((224, 224, 3), dtype="uint8", name="images")
-        x = keras.layers.Rescaling(1 / 255.0)(images)
-        net = keras.applications.ResNet50(weights=None, input_tensor=x)
-        return keras.Model(images, net.output, name="resnet50_8bit")
+            model = keras.applications.ResNet50(weights=None)
+        else:
+            images = keras.Input((224, 224, 3), dtype="uint8", name="images")
+            x = keras.layers.Rescaling(1 / 255.0)(images)
+            net = keras.applications.ResNet50(weights=None, input_tensor=x)
+            model = keras.Model(images, net.output, name="resnet50_8bit")
+        if keras.mixed_precision.global_policy().compute_dtype == "float16":
+            model = half_batch_norm(model)  # Graphcore's fused batch norm on FP16 activations
+        return model
 
 
 def _compile_sgd(model: Any, momentum: float) -> None:
@@ -322,8 +335,6 @@ def _resnet_pipelined(case: dict[str, Any]) -> Plan:
                "system": _SYSTEM16[case["ipu"]] if replicas * case["ipus_per_replica"] == 16 else None,
                "recomputation": bool(case["recomputation"]["enabled"]),
                "available_memory_proportion": _amp(case, notes)}
-    if case["precision"].get("partials", "").startswith("half"):
-        notes.append(_HALF_PARTIALS)
     if "LARS" in str(case["optimizer"]):
         notes.append("LARS (SGD with momentum here: the same one slot per weight; LARS's "
                      "per-layer norms not counted)")
@@ -353,8 +364,6 @@ def _resnet_flat(case: dict[str, Any]) -> Plan:
     expressed = ["8-bit images (uint8 input)"] if eight_bit else []
     if io_tiles:
         expressed.append(f"{io_tiles} I/O tiles reserved (fewer compute tiles)")
-    if case["precision"].get("partials", "").startswith("half"):
-        notes.append(_HALF_PARTIALS)
     if case["training"]:
         recompute = case.get("recomputation") or {}
         checkpoints = recompute.get("checkpoints")
@@ -422,7 +431,7 @@ def _efficientnet_b0(case: dict[str, Any]) -> Plan:
                "tiles_per_ipu": _TILES[case["ipu"]] - int(other.get("num_io_tiles", 0))}
     return Plan(model, int(case["micro_batch"]), False, options, _policy_of(case),
                 expressed=["8-bit images (uint8 input)", f"{other.get('num_io_tiles')} I/O tiles"],
-                unexpressed=[_HALF_PARTIALS])
+                unexpressed=[])
 
 
 def _resnext(case: dict[str, Any]) -> Plan:
@@ -437,17 +446,15 @@ def _resnext(case: dict[str, Any]) -> Plan:
 
 
 def _lstm_tutorial(case: dict[str, Any]) -> Plan:
-    """Graphcore's recomputation tutorial as bench/fit_cases.md mirrors it: one PopnnLSTM over
-    ``checkpoints + 1`` slices of the sequence (each slice starting from the previous one's
-    state, which is checkpointed), stage 0 on IPU 0; Dense(1) as stage 1 on IPU 0; Sequential,
-    RecomputeAndBackpropagateInterleaved, 4 micro-batches; SGD, mse; FP32."""
-    import ipu_tensorflow_addons.keras.layers as ipu_layers
-    import keras
+    """Graphcore's recomputation tutorial as bench/fit_cases.md mirrors it
+    (``tf_ipu.models.recompute_lstm``): one PopnnLSTM over ``checkpoints + 1`` slices of the
+    sequence (each slice starting from the previous one's state, which is checkpointed), stage 0
+    on IPU 0; Dense(1) as stage 1 on IPU 0; Sequential, RecomputeAndBackpropagateInterleaved,
+    4 micro-batches; SGD, mse; FP32."""
     import tensorflow as tf
 
-    import tf_ipu
+    from tf_ipu.models.recompute_lstm import recompute_lstm
 
-    schedules, modes = _modes()
     other = case["other_options"]
     seq, units, features = int(other["sequence_length"]), int(other["lstm_units"]), \
         int(other["input_features"])
@@ -455,30 +462,8 @@ def _lstm_tutorial(case: dict[str, Any]) -> Plan:
                       json.dumps(case["recomputation"]["checkpoints"]))
     checkpoints = 0 if "none" in str(case["recomputation"]["checkpoints"]) else \
         int(next(g for g in found.groups() if g))
-    slices = checkpoints + 1
-    with tf_ipu.IPUStrategy().scope():
-        inputs = keras.Input((seq, features), name="sequence")
-        with keras.ipu.PipelineStage(0):
-            lstm = ipu_layers.PopnnLSTM(units, return_state=True)
-            outs, state = [], None
-            for i in range(slices):
-                begin, end = i * seq // slices, (i + 1) * seq // slices
-                part = keras.layers.Lambda(lambda x, b=0, e=0: x[:, b:e, :],
-                                           arguments={"b": begin, "e": end})(inputs)
-                out, h, c = lstm(part, initial_state=state)
-                if i != slices - 1:
-                    h, c = ipu_layers.RecomputationCheckpoint()([h, c])
-                state = (h, c)
-                outs.append(out)
-            x = keras.layers.Concatenate(axis=1)(outs) if len(outs) > 1 else outs[0]
-        with keras.ipu.PipelineStage(1):
-            x = keras.layers.Dense(1)(x)
-        model = keras.Model(inputs, x, name=f"recompute_lstm_{seq}_{checkpoints}ckpt")
-        model.compile(tf.optimizers.SGD(0.001), loss="mse", steps_per_execution=4)
-        model.set_pipelining_options(
-            gradient_accumulation_steps_per_replica=int(case["gradient_accumulation"]),
-            pipeline_schedule=schedules.Sequential, device_mapping=[0, 0],
-            recomputation_mode=modes.RecomputeAndBackpropagateInterleaved)
+    model = recompute_lstm(seq, checkpoints, units=units, features=features,
+                           gradient_accumulation=int(case["gradient_accumulation"]))
     options = {"ipu_version": case["ipu"], "recomputation": True,
                "label_spec": tf.TensorSpec([None, seq], tf.float32)}
     return Plan(model, int(case["micro_batch"]), True, options, "float32",
@@ -555,8 +540,7 @@ def _bert_mlperf(case: dict[str, Any]) -> Plan:
     micro, replicas = int(case["micro_batch"]), int(case["replicas"])
     other = case.get("other_options") or {}
     notes += [_mlm_note(case, vocab, micro),
-              f"packing's attention mask ({other.get('max_sequences_per_pack')} sequences per row)",
-              _HALF_PARTIALS]
+              f"packing's attention mask ({other.get('max_sequences_per_pack')} sequences per row)"]
     if other.get("embedding_serialization_vocab_steps"):
         notes.append(f"embedding serialized in {other['embedding_serialization_vocab_steps']} "
                      f"vocabulary steps")
@@ -637,7 +621,7 @@ def _bert_examples(case: dict[str, Any]) -> Plan:
               offload_weight_update_variables=offload,
               replicated_optimizer_state_sharding=sharding)
     micro = int(case["micro_batch"])
-    notes += [_mlm_note(case, vocab, micro), _HALF_PARTIALS]
+    notes += [_mlm_note(case, vocab, micro)]
     if other.get("hidden_dropout_prob"):
         notes.append(f"hidden dropout {other['hidden_dropout_prob']} (its masks; the builder has "
                      "one rate for every dropout, 0 here since attention dropout is 0)")
@@ -705,6 +689,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                 acc = case.get("gradient_accumulation")
                 if isinstance(acc, int) and acc > 1:
                     options["gradient_accumulation_steps_per_replica"] = acc
+            if _half_partials(case):
+                options["partials_type"] = "half"
             options = {k: v for k, v in options.items() if v is not None}
             t1 = time.perf_counter()
             with plan.capture() if plan.capture else contextlib.nullcontext() as found:
@@ -716,7 +702,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         row.update({
             "built": True, "configuration": _describe(Plan(plan.model, plan.batch, plan.training,
                                                            options, plan.policy), case),
-            "expressed": plan.expressed, "unexpressed": unexpressed,
+            "expressed": plan.expressed + ([_HALF_PARTIALS] if _half_partials(case) else []),
+            "unexpressed": unexpressed,
             "peak_tile_bytes": int(est.peak_tile_bytes), "capacity_bytes": capacity,
             "headroom_bytes": capacity - int(est.peak_tile_bytes),
             "margin_bytes": int(step.margin_bytes), "fits": est.fits,

@@ -194,6 +194,38 @@ def test_gru_matches_keras_with_the_same_weights(gl, reset_after, time_major):
     assert ours.biases.shape == ((2, 15) if reset_after else (15,))
 
 
+@pytest.mark.parametrize("layer", ["LSTM", "GRU"])
+def test_rnn_loop_reads_its_weights_once(gl, layer):
+    """The recurrence captures the weights read once before the loop (PopLibs' kernel takes them
+    as operands): its body reads no variable, so TF's while-loop gradient stacks no per-step
+    copy of the kernels (``[steps, in, gates * units]``, which PopnnLSTM never holds); it stacks
+    the step's input, states and gates only."""
+    rnn = getattr(gl, layer)(6, return_state=True)
+    x = tf.constant(_seq(False)[0])
+    rnn(x)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(o) for o in tf.nest.flatten(rnn(x, training=True))])
+        return tape.gradient(loss, rnn.trainable_variables)
+
+    graph = step.get_concrete_function(x).graph
+    loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert loops
+    for op in loops:
+        body = graph._get_function(op.get_attr("body").name).definition
+        assert not [n.name for n in body.node_def if n.op == "ReadVariableOp"]
+    # The stacks TF's gradient fills (one per value the backward reads, per step).
+    stacked = [tuple(tf.get_static_value(op.inputs[0]).tolist())
+               for op in graph.get_operations()
+               if op.type == "EmptyTensorList" and "accumulator" in op.name]
+    assert stacked, "no per-step stash: the loop was not differentiated"
+    weights = {tuple(w.shape) for w in rnn.trainable_variables}
+    assert not weights & set(stacked), (weights, stacked)
+    assert set(stacked) <= {(3, 4), (3, 6)}, stacked  # [batch, features], [batch, units]
+
+
 def test_rnn_initial_state_stateful_and_seeds(gl):
     x, _ = _seq(True, batch=2)
     h0 = np.random.default_rng(3).standard_normal((2, 6)).astype("float32")

@@ -69,3 +69,41 @@ def _model(steps: int) -> Any:
     model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.LSTM(32)(inputs)))
     model.compile(optimizer="sgd", loss="mse")
     return model
+
+
+def _computations(plan: Any) -> list[Any]:
+    """The plan's computation plans: the entry and everything it calls (loop bodies too)."""
+    found: list[Any] = []
+    todo = [plan.entry]
+    while todo:
+        comp = todo.pop()
+        if any(comp is c for c in found):
+            continue
+        found.append(comp)
+        todo += [c for p in comp.points for alts in p.subs for c in alts]
+    return found
+
+
+def test_a_stash_update_is_written_over_the_loop_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The body's dynamic-update-slice of a stash writes one step's slice in place into the
+    loop state, which the caller holds live across the loop: the updated stash is the same
+    buffer, not a second one (docs/tile_model.md, "Loops")."""
+    import tf_ipu
+    from device_server.emulator.tiles import control
+    from device_server.emulator.tiles.liveness import stored
+
+    steps = 64
+    estimate, plan = _lstm_training_plan(monkeypatch, steps)
+    updates = [(comp, b) for comp in _computations(plan) for b in comp.bufs
+               if b.instr.opcode == "dynamic-update-slice" and b.mapping is not None
+               and b.mapping.slices == steps]
+    assert len(updates) >= 3
+    for comp, b in updates:
+        assert b.inplace and not any(b is s for s in stored(comp)), b
+    # Stored a second time (what the tile model did before), the stashes count twice while
+    # the forward loop runs: the fullest tile gains about one more copy of them.
+    per_tile = sum(b.mapping.max_elements * b.itemsize for _, b in updates)
+    monkeypatch.setattr(control, "_write_over", lambda body, old, new: None)
+    twice = tf_ipu.estimate(_model(steps), 16, training=True, ipu_version="ipu2")
+    assert twice.peak_tile_bytes - estimate.peak_tile_bytes > 0.5 * per_tile, (
+        twice.peak_tile_bytes, estimate.peak_tile_bytes, per_tile)

@@ -23,6 +23,20 @@ from device_server.protocol import ir_pb2
 __all__ = ["ControlPlanning"]
 
 
+def _write_over(body: CompPlan, old: Buf, new: Buf) -> None:
+    """Marks ``new`` (a dynamic-update-slice or scatter of the body, in place on the loop-state
+    buffer ``old``) as written over ``old``: not stored a second time. Only when nothing else in
+    the body reads ``old`` (XLA would copy the state before an in-place write another read
+    still needs, and the copy would be real memory)."""
+    if new.ctx is not body or old.ctx is body:
+        return
+    readers = sum(1 for p in body.points
+                  if p.instr.opcode not in ("tuple", "get-tuple-element")
+                  and any(b is old for b in p.uses))
+    if readers <= 1:  # the update itself
+        new.inplace = True
+
+
 class ControlPlanning(PlannerState):
     """``while``, ``call`` and ``conditional``."""
 
@@ -45,7 +59,11 @@ class ControlPlanning(PlannerState):
         for old, new in zip(state_leaves, value_leaves(body.root), strict=False):
             if isinstance(new, Buf) and isinstance(old, Buf) and new.mapping is old.mapping \
                     and new.instr.opcode in ("dynamic-update-slice", "scatter"):
-                continue  # updated in place (the stash): no copy of the whole buffer
+                # Updated in place (the stash): no copy of the whole buffer, and no second
+                # buffer either; the new value is written over the loop state, which the
+                # caller holds live across the loop.
+                _write_over(body, old, new)
+                continue
             if new is not old and isinstance(old, Buf):
                 copy_bytes = max(copy_bytes, self.mapping_of(old).max_elements * old.itemsize)
         if ctx.caller is None:  # the device loop: each step syncs the replicas

@@ -47,7 +47,8 @@ class Buf:
         self.born = born
         self.last = born
         self.fused = False          # an intermediate of a fused element-wise chain: not stored
-        self.inplace = False        # an updated variable written over its parameter
+        self.inplace = False        # written over another buffer (an updated variable over
+                                    # its parameter, a loop's stash update over the loop state)
         self.group: Step | None = None  # the fused compute set that produces it
         self.producer = instr.id
 

@@ -12,6 +12,16 @@ Here the layers *are* Keras's LSTM and GRU, so the layout is Keras's by construc
 
 and XLA lowers the recurrence to one ``while`` loop that the emulator runs step by step.
 
+The weights are read once, before the loop, as PopLibs' kernel takes them as operands: the
+step reads those tensors (loop-invariant captures), not the variables. Keras's cell reads
+each variable inside the step, and TF's while-loop gradient then keeps a copy of every value
+the backward pass needs *per step*, the kernels included (a variable read in the body is a
+per-step tensor to it): ``[steps, input_size, gates * units]`` and
+``[steps, units, gates * units]`` stacks that PopnnLSTM never holds (the recomputation
+tutorial's 2,048 steps of 512 features, 256 units: 2 MB + 1 MB per step). Read outside, the
+backward captures them once, and the per-step stash is the step's input, states and gates,
+as PopLibs' intermediates. The values are the same ops on the same values.
+
 What Graphcore's layers add, and what it does here:
 
 - ``time_major=True``: inputs and sequence outputs are ``[time, batch, features]``; the layer
@@ -30,9 +40,12 @@ What Graphcore's layers add, and what it does here:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from tf_ipu.graphcore.addons.keras.layers._common import (
@@ -54,6 +67,31 @@ def _partials_name(partials_dtype: Any) -> str:
         raise ValueError("`partials_dtype` must be float16 or float32. "
                          f"Received: partials_dtype={partials_dtype!r}")
     return name
+
+
+#: The cell attributes holding the weights its step reads (Keras's LSTMCell and GRUCell).
+_LOOP_WEIGHTS = ("kernel", "recurrent_kernel", "bias")
+
+
+@contextlib.contextmanager
+def _weights_read_once(cell: keras.layers.Layer, names: tuple[str, ...]) -> Iterator[None]:
+    """Within the block, ``cell.<name>`` is the variable's value read once here (cast as the
+    layer's autocast scope casts it, so the step casts nothing) instead of the variable, so
+    the recurrent loop captures a loop-invariant tensor rather than reading the variable at
+    every step. The variables are put back on exit; nothing else about the cell changes."""
+    saved = {}
+    for name in names:
+        var = getattr(cell, name, None)
+        if isinstance(var, keras.Variable):
+            saved[name] = var
+    try:
+        for name, var in saved.items():
+            # Past Keras's attribute tracking: the cell keeps tracking the variable.
+            object.__setattr__(cell, name, tf.convert_to_tensor(var.value))
+        yield
+    finally:
+        for name, var in saved.items():
+            object.__setattr__(cell, name, var)
 
 
 def _swap_time_batch(shape: Any) -> Any:
@@ -113,6 +151,13 @@ class _PopnnRNN:
     def biases(self) -> keras.Variable | None:
         """The bias (Graphcore's name; Keras calls it ``bias``)."""
         return self.cell.bias
+
+    def inner_loop(self, sequences: Any, initial_state: Any, mask: Any,
+                   training: bool = False) -> Any:
+        """Keras's recurrence, with the cell's weights read once before the loop (see the
+        module docstring)."""
+        with _weights_read_once(self.cell, _LOOP_WEIGHTS):
+            return super().inner_loop(sequences, initial_state, mask, training=training)
 
     def build(self, sequences_shape: Any, initial_state_shape: Any = None) -> None:
         if self.time_major:
