@@ -100,7 +100,7 @@ def test_every_graphcore_option_is_accepted_read_back_and_honoured_or_warned_onc
     import tf_ipu.config as c
     from tf_ipu import notices
 
-    notices.forget()
+    notices._forget()
     cfg = c.IPUConfig()
     for path, default in GRAPHCORE_OPTIONS.items():
         group, leaf = _walk(cfg, path)
@@ -252,7 +252,7 @@ def test_keras_queue_options_warn_once_naming_what_has_no_effect(ipu_system, cap
 
     from tf_ipu import notices
 
-    notices.forget()
+    notices._forget()
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     with caplog.at_level(logging.WARNING, logger="tf_ipu"):
         for _ in range(2):

@@ -40,10 +40,10 @@ def gl():
 @pytest.fixture
 def warnings_log(caplog):
     """Fresh once-per-process notices; the records of the ``tf_ipu`` logger."""
-    notices.forget()
+    notices._forget()
     caplog.set_level(logging.WARNING, logger="tf_ipu")
     yield caplog
-    notices.forget()
+    notices._forget()
 
 
 def _close(actual, expected, rtol: float = RTOL, what: str = "") -> None:

@@ -195,7 +195,7 @@ def test_honoured_options_do_not_warn_other_poplibs_options_are_kept_and_named(c
     import tf_ipu
     from tf_ipu import config, notices
 
-    notices.forget()
+    notices._forget()
     cfg = tf_ipu.IPUConfig()
     assert cfg.matmuls.effect("poplar_options") is config.Effect.HONOURED
     with caplog.at_level(logging.WARNING, logger="tf_ipu"):

@@ -4,7 +4,7 @@
     -> WARNING tf_ipu: IPUConfig.optimizations.combine_matmuls has no effect here: ...
 
 Each subject is warned about at most once (a notebook that re-runs a cell is not flooded);
-``said()`` lists the subjects warned about so far and ``forget()`` clears them (for tests).
+``said()`` lists the subjects warned about so far and ``_forget()`` clears them (for tests; not part of the API).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def said() -> frozenset[str]:
         return frozenset(_said)
 
 
-def forget() -> None:
+def _forget() -> None:
     """Forgets every subject (the next ``once`` of each warns again)."""
     with _lock:
         _said.clear()
 
 
-__all__ = ["forget", "once", "said"]
+__all__ = ["once", "said"]
