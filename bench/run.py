@@ -43,6 +43,7 @@ BENCHES = {
     "mlperf": lambda quick: __import__("bench.bench_mlperf", fromlist=["main"]).main(quick),
     "onnx": lambda quick: __import__("bench.bench_onnx", fromlist=["main"]).main(quick),
     "fit_cases": lambda quick: __import__("bench.bench_fit_cases", fromlist=["main"]).main(quick),
+    "fuzz": lambda quick: __import__("bench.bench_fuzz", fromlist=["main"]).main(quick),
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

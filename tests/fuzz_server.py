@@ -460,7 +460,9 @@ def main(argv: list[str] | None = None) -> Report:
     if args.address:
         address, alive = args.address, (lambda: True)
     else:
-        server = su.ServerProcess.start(["--ipus", "4", "--log-level", "error",
+        # Test switches allowed, so that the mutants' fault_inject_opcode and refuse_opcodes
+        # reach the compiler (a server's refusal of them is tested in test_server_service.py).
+        server = su.ServerProcess.start(["--ipus", "4", "--log-level", "error", "--allow-test-options",
                                          "--max-session-bytes", str(256 << 20)])
         address, alive = server.address, server.alive
     try:
