@@ -9,7 +9,7 @@ sha256 of the module, the target and the options), and ``index.json`` (key -> fi
 created, last use). An entry holds what planning the module produced, as plain data: the
 record of ``Executable.cache_record`` (signature, instruction count and the whole tile-model
 estimate) as zlib-compressed JSON. It holds no code: the program that runs is always
-generated from the module the client sent (``compiler.executable_from_record``), so a file
+generated from the module the client sent (``executable.executable_from_record``), so a file
 put in the folder can at worst give a wrong estimate, never run anything. Nothing is
 unpickled, evaluated or imported from the folder.
 

@@ -16,7 +16,7 @@ not reach its end within ``NESTED_GRACE_SECONDS`` (a ``while`` inside it that ne
 abandoned: the loop returns the state it had before that step, if the step wrote no part of
 that state in place; otherwise the whole call is abandoned. Any other loop raises
 ``RunStopped`` at its next iteration: the call is abandoned and the caller keeps nothing of
-it. Programs with loops never write into donated buffers (``compiler._mark_donations``), so
+it. Programs with loops never write into donated buffers (``rewrites._mark_donations``), so
 an abandoned call leaves the variables as they were.
 """
 

@@ -10,17 +10,19 @@ Planning happens once, in :func:`compile_module`:
   a slice that takes one operand of a concatenate whole is that operand;
 * a ``broadcast`` whose users are all element-wise ops that broadcast like numpy (and have
   another operand of the full shape) is not expanded: its operand, or a reshaped view of it,
-  goes to the users (``_lazy_broadcasts``);
+  goes to the users (``rewrites._lazy_broadcasts``);
 * constants, and instructions whose operands are all constants, are evaluated at compile time
   (constant folding);
 * every other instruction becomes a step ``(kernel_fn, operand_slots, out_slot)`` whose
   kernel function was built by its factory from the registry
   (``device_server.emulator.kernels``); a kernel may also offer an inline expression
   (``kernels.inline``) and say it is a plain ufunc (``kernels.elementwise_ufunc``), so that a
-  ufunc step may write into the buffer of an operand nobody else can see (``_reuse_buffers``);
-* the steps become the source of one Python function per computation (``Program.source``):
-  values are its locals, constants its globals, big values are deleted after their last use;
-  a failing step is found from the traceback's line number, so the hot path keeps no counter;
+  ufunc step may write into the buffer of an operand nobody else can see
+  (``rewrites._reuse_buffers``);
+* the steps become the source of one Python function per computation (``Program.source``,
+  ``codegen.py``): values are its locals, constants its globals, big values are deleted after
+  their last use; a failing step is found from the traceback's line number, so the hot path
+  keeps no counter;
 * called computations (``while``, ``call``, ``conditional``, reducers, comparators, ...) are
   compiled the same way, once each, and handed to kernels as plain functions;
 * an instruction with a dynamic dimension (bounded dynamic shapes) gets its kernel from
@@ -31,36 +33,65 @@ Planning happens once, in :func:`compile_module`:
 At run time a program's function binds the arguments to locals and runs its steps: no shared
 mutable state (the globals are read-only constants and kernels), so one :class:`Executable`
 can run on several threads at once.
+
+Each job has its module; this one plans (``_Compiler``) and keeps the names callers import:
+
+    options.py     CompileOptions                   values.py   IR shapes/literals as numpy
+    compiler.py    _Compiler: IR -> steps           rewrites.py IR rewrites, step-list passes
+    codegen.py     steps -> one Python function     faults.py   fault injection (a test switch)
+    executable.py  Executable: signature, estimate, run; rebuilt from a disk-cache record
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
-import keyword
 import logging
 import math
-import re
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from device_server.emulator import cancel, dynamic, errors, fusion, jit, kernels, numerics, parallel
+from device_server.emulator import dynamic, errors, fusion, jit, kernels, numerics
 from device_server.emulator.arch import Target
+from device_server.emulator.codegen import Program, _Step
 from device_server.emulator.errors import (
     EmulatorError,
-    ExecutionError,
     InvalidProgramError,
     OutOfMemoryError,
     UnsupportedOpError,
     describe,
 )
-from device_server.emulator.estimate import Estimate, estimate_module
-from device_server.protocol import HOST_TARGETS, REPLICA_TARGETS, dtypes, ir_pb2
+from device_server.emulator.estimate import estimate_module
+from device_server.emulator.executable import Executable, _Signature, executable_from_record
+from device_server.emulator.faults import _faulty
+from device_server.emulator.options import CompileOptions, _checked_options
+from device_server.emulator.rewrites import (
+    _RUN_TIME_TARGETS,
+    _add_into_slice,
+    _broadcast_source,
+    _dots_into_fused,
+    _is_identity,
+    _lazy_broadcasts,
+    _loop_bodies,
+    _mark_donations,
+    _reuse_buffers,
+    _sliced_operand,
+    _talks_to_host,
+    _used_steps,
+)
+from device_server.emulator.values import (
+    _fits,
+    _freeze,
+    _leaves,
+    _nbytes,
+    _shape_of,
+    literal_to_value,
+)
+from device_server.protocol import dtypes, ir_pb2
+
+__all__ = ["CompileOptions", "Executable", "compile_module", "executable_from_record", "literal_to_value"]
 
 _FIXED_ARITY = {
     **dict.fromkeys(
@@ -89,12 +120,6 @@ def _arity(opcode: str) -> int | None:
     return _FIXED_ARITY.get(opcode)
 
 
-# Words the generated code may contain besides names it defines and its globals.
-_SAFE_WORDS = frozenset(keyword.kwlist) | {"run", "args", "e", "x", "Exception", "out", "d"}
-_GENERATED = re.compile(r"(p|v|u|k|s)[0-9]+|g[0-9]+_[A-Za-z0-9_]+|[0-9][A-Za-z0-9_]*")
-
-__all__ = ["CompileOptions", "Executable", "compile_module", "executable_from_record", "literal_to_value"]
-
 _log = logging.getLogger(__name__)
 
 # Kernel modules. The spatial ones (conv, window, indexing) are written separately and may be
@@ -120,9 +145,9 @@ _load_kernels()
 ALWAYS_REFUSED: frozenset[str] = frozenset()
 # Opcodes that are evaluated at compile time when all their operands are constants.
 _NOT_FOLDABLE = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state", "infeed", "outfeed"})
-# custom-call targets that talk to the host at run time (never folded, never dead code).
-_RUN_TIME_TARGETS = HOST_TARGETS | REPLICA_TARGETS
 _FOLD_LIMIT_BYTES = 16 << 20
+# (custom-call targets that talk to the host at run time, never folded, never dead code:
+# ``rewrites._RUN_TIME_TARGETS``.)
 # Ops that only pass their operand on (the value is immutable, so no copy is needed).
 _FORWARDING = frozenset({"copy", "opt-barrier"})
 # Binary ops of two parameters that a reducer may be, and their ufuncs.
@@ -160,354 +185,6 @@ _CSE_CONST_BYTES = 1 << 12
 # Element-wise opcodes a fused step may contain (fusion.py).
 _FUSIBLE = ELEMENTWISE_SAFE - {"parameter", "constant", "tuple", "get-tuple-element", "copy", "opt-barrier"}
 
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """Options of :func:`compile_module`.
-
-    ``refuse_opcodes``: opcodes to treat as unsupported (raises :class:`UnsupportedOpError`
-    at compile time, as a real backend lacking them would).
-    ``fault_inject_opcode``: a *test switch*: every result of this opcode is perturbed at
-    run time (floats ``x * (1 + 1e-2) + 1e-3``, integers ``x + 1``, booleans negated), so
-    tests can prove a comparison would catch a wrong kernel. Never set it in production.
-    ``allow_out_of_memory``: compile even if the estimate does not fit the tile memory
-    (Poplar's ``allowOutOfMemory``), so the estimate can be inspected.
-
-    Numerics (``numerics.py``; all off by default):
-    ``partials_type``: ``"float"`` (FP16 dot/convolution accumulate in FP32, the default) or
-    ``"half"`` (an FP16 accumulator, rounded after every ``Target.amp_fp16_partials_chunk``
-    products); ``matmul_partials_type`` / ``convolution_partials_type`` override it for
-    ``dot`` / ``convolution`` ("" = ``partials_type``).
-    ``esr``: stochastic rounding of FP32 -> FP16; ``stochastic_rounding_seed``: its seed
-    (0: derived from the module).
-    ``inv``, ``div0``, ``oflo``: floating-point exception checks after every floating-point
-    instruction (:class:`FloatingPointExceptionError`); ``nanoo``: an FP16 overflow gives NaN.
-
-    Planning (the estimate only): ``matmul_available_memory_proportion`` /
-    ``convolution_available_memory_proportion``: PopLibs' availableMemoryProportion of the
-    ``dot`` / ``convolution`` plans, 0 .. 1 (None: the preset's, 0.6); lower plans hold fewer
-    temporaries per tile and cost as many cycles or more (``tiles/matmul.py``).
-
-    Replication (``emulator/replicas.py``): ``replicas``: how many replicas run the program
-    at once (1: not replicated); ``system``: the ``protocol.hardware.System`` whose IPUs run
-    them (None: the target's IPUs without links), ``ipu_ids``: which of its IPUs, one per
-    replica (empty: the first ``replicas``). The estimate charges the collectives over the
-    system's IPU-Links and the host transfers over its shared host links.
-
-    Pipelining (docs/tile_model.md): ``pipeline_stages`` S (1: not pipelined), the stage of
-    each instruction in its ``pipeline_stage`` attribute; ``stage_ipus``: the IPU within a
-    replica of each stage (Graphcore's device_mapping; empty: stage i on IPU i);
-    ``ipus_per_replica``: the IPUs a replica spans; ``pipeline_schedule``: "grouped",
-    "interleaved" or "sequential"; ``micro_batches``: the micro-batches of one weight
-    update (gradient accumulation); ``recomputation``: the backward pass recomputes the
-    forward activations. They change the estimate only: the program computes the same.
-    """
-
-    refuse_opcodes: frozenset[str] = frozenset()
-    fault_inject_opcode: str = ""
-    allow_out_of_memory: bool = False
-    partials_type: str = "float"
-    matmul_partials_type: str = ""
-    convolution_partials_type: str = ""
-    esr: bool = False
-    stochastic_rounding_seed: int = 0
-    inv: bool = False
-    div0: bool = False
-    oflo: bool = False
-    nanoo: bool = False
-    matmul_available_memory_proportion: float | None = None
-    convolution_available_memory_proportion: float | None = None
-    replicas: int = 1
-    system: Any = None
-    ipu_ids: tuple[int, ...] = ()
-    pipeline_stages: int = 1
-    stage_ipus: tuple[int, ...] = ()
-    ipus_per_replica: int = 1
-    pipeline_schedule: str = "grouped"
-    micro_batches: int = 1
-    recomputation: bool = False
-    optimizer_state_offload: str = "auto"    # "auto" | "on" | "off" (pipeline.placement)
-    optimizer_state_sharding: bool = False
-
-    def memory_proportions(self) -> dict[str, float]:
-        """Opcode -> availableMemoryProportion of the options that set one (checked)."""
-        out = {}
-        for opcode, name in (("dot", "matmul_available_memory_proportion"),
-                             ("convolution", "convolution_available_memory_proportion")):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"CompileOptions.{name} must be a number in [0, 1] (PopLibs' "
-                                 f"availableMemoryProportion), not {value!r}.")
-            out[opcode] = float(value)
-        return out
-
-    def partials_types(self) -> dict[str, str]:
-        """Opcode -> the partialsType its products are planned with ("float" or "half")."""
-        return {"dot": self.matmul_partials_type or self.partials_type,
-                "convolution": self.convolution_partials_type or self.partials_type}
-
-    def numerics(self, target: Target) -> numerics.Numerics:
-        """The numerics these options ask for on ``target``."""
-        kinds = {}
-        for name, value in (("partials_type", self.partials_type),
-                            ("matmul_partials_type", self.matmul_partials_type or self.partials_type),
-                            ("convolution_partials_type", self.convolution_partials_type or self.partials_type)):
-            if value not in ("float", "half"):
-                raise ValueError(f"CompileOptions.{name} must be 'float' or 'half', not {value!r}.")
-            kinds[name] = value
-        return numerics.Numerics(
-            matmul_partials=kinds["matmul_partials_type"],
-            conv_partials=kinds["convolution_partials_type"],
-            partials_chunk=target.amp_fp16_partials_chunk,
-            esr=bool(self.esr), inv=bool(self.inv), div0=bool(self.div0), oflo=bool(self.oflo),
-            nanoo=bool(self.nanoo), seed=int(self.stochastic_rounding_seed),
-        )
-
-
-# ------------------------------------------------------------------------------ values
-
-
-def _shape_of(shape: ir_pb2.Shape) -> tuple[np.dtype | None, tuple[int, ...]]:
-    if shape.is_tuple or shape.dtype == ir_pb2.TOKEN:
-        return None, ()
-    return dtypes.to_numpy(shape.dtype), tuple(int(d) for d in shape.dims)
-
-
-def _leaves(shape: ir_pb2.Shape) -> list[ir_pb2.Shape]:
-    if shape.is_tuple:
-        return [leaf for s in shape.tuple_shapes for leaf in _leaves(s)]
-    return [shape]
-
-
-def _fits(shape: tuple[int, ...], bounds: tuple[int, ...], flags: tuple[bool, ...]) -> bool:
-    """Whether an array of ``shape`` is a value of a shape with these bounds and dynamic
-    dimensions (a dynamic dimension's size is at most its bound, a static one's is equal)."""
-    return len(shape) == len(bounds) and all(
-        n == b or (dy and n <= b) for n, b, dy in zip(shape, bounds, flags, strict=True)
-    )
-
-
-def literal_to_value(lit: ir_pb2.Literal, what: str = "literal") -> Any:
-    """A read-only numpy array (or a tuple of them) holding an IR literal's value."""
-    if lit.shape.is_tuple:
-        return tuple(literal_to_value(e, what) for e in lit.tuple_elements)
-    if lit.shape.dtype == ir_pb2.TOKEN:
-        return ()
-    dt = dtypes.to_numpy(lit.shape.dtype)
-    dims = tuple(int(d) for d in lit.shape.dims)
-    count = int(np.prod(dims, dtype=np.int64))
-    if len(lit.data) != count * dt.itemsize:
-        raise InvalidProgramError(
-            f"{what}: {dtypes.dtype_name(lit.shape.dtype)}{list(dims)} needs "
-            f"{count * dt.itemsize} bytes, literal has {len(lit.data)}."
-        )
-    arr = np.frombuffer(lit.data, dtype=dt.newbyteorder("<")).astype(dt, copy=False).reshape(dims)
-    arr.flags.writeable = False
-    return arr
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, np.ndarray) and value.flags.writeable:
-        value = value.view()
-        value.flags.writeable = False
-    elif isinstance(value, tuple):
-        value = tuple(_freeze(v) for v in value)
-    return value
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, tuple):
-        return sum(_nbytes(v) for v in value)
-    return int(getattr(value, "nbytes", 0))
-
-
-# --------------------------------------------------------------------------- fault injection
-
-
-def _perturb(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return tuple(_perturb(v) for v in value)
-    a = np.asarray(value)
-    if a.dtype == np.bool_:
-        return np.logical_not(a)
-    if a.dtype.kind in "iu":
-        return (a + np.ones((), a.dtype)).astype(a.dtype)
-    if a.dtype.kind in "fcV" or a.dtype.name == "bfloat16":
-        return (a * a.dtype.type(1.01) + a.dtype.type(1e-3)).astype(a.dtype)
-    return a
-
-
-def _faulty(fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
-    def run(ops: Sequence[Any]) -> Any:
-        return _perturb(fn(ops))
-
-    return run
-
-
-# ---------------------------------------------------------------------------- the program
-
-
-class Program:
-    """One compiled computation: call it with its parameters' values.
-
-    The steps are turned into the source of one Python function (``source``): every value
-    is a local variable, constants are globals of that function, and a step is either a
-    call of its kernel function (``v7 = k7([v3, c5])``) or, when the kernel offers one
-    (see ``kernels.inline``), an expression (``v7 = (v3 + s5)``). A failing step is found
-    from the line number of the traceback, so the hot path carries no bookkeeping.
-    """
-
-    __slots__ = ("name", "steps", "instrs", "source", "root_slot", "_call")
-
-    def __init__(
-        self,
-        name: str,
-        steps: list[_Step],
-        instrs: list[ir_pb2.Instruction],
-        consts: dict[int, Any],
-        param_slots: list[int],
-        root_slot: int,
-        big_slots: frozenset[int] = frozenset(),
-        scalar_params: frozenset[int] = frozenset(),
-    ) -> None:
-        self.name = name
-        self.steps = tuple(steps)
-        self.instrs = instrs  # instrs[k] made steps[k]; for error messages
-        self.root_slot = root_slot
-        self.source, self._call = _generate(name, self.steps, instrs, consts, param_slots,
-                                            root_slot, big_slots, scalar_params)
-
-    def __call__(self, args: Sequence[Any], donated: frozenset[int] = frozenset()) -> Any:
-        """Runs the computation; ``donated``: entry parameters whose buffers it may write
-        its aliased outputs into (``mark_donations``)."""
-        return self._call(args, donated)
-
-
-@dataclass
-class _Step:
-    """One step: ``out = fn(ops)``, or ``out = <template formatted with the operands>``."""
-
-    fn: Callable[[Sequence[Any]], Any]
-    ins: tuple[int, ...]
-    out: int
-    template: str | None = None          # an inline expression, see kernels.inline
-    names: dict[str, Any] | None = None  # globals the template refers to
-    into: int = -1                       # >= 0: ``fn.ufunc(*ops, out=ops[into])``
-    # >= 0: a fused step writing the value of an entry parameter that the caller donates
-    # (an aliased variable) may write into that operand's buffer: ``fn(ops, ops[donate])``.
-    donate: int = -1
-    donate_param: int = -1                # the entry parameter number of ops[donate]
-
-
-_FIRST_STEP_LINE = 4  # line of the first step in the generated source (1-based)
-
-
-def _generate(
-    name: str,
-    steps: tuple[_Step, ...],
-    instrs: list[ir_pb2.Instruction],
-    consts: dict[int, Any],
-    param_slots: list[int],
-    root_slot: int,
-    big_slots: frozenset[int],
-    scalar_params: frozenset[int],
-) -> tuple[str, Callable[[Sequence[Any]], Any]]:
-    g: dict[str, Any] = {}
-    var: dict[int, str] = {}
-    scalar_var: dict[int, str] = {}
-    for slot, value in consts.items():
-        var[slot] = f"c{slot}"
-        g[var[slot]] = value
-        if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biufc":
-            scalar_var[slot] = f"s{slot}"
-            g[scalar_var[slot]] = value[()]
-    for n, slot in enumerate(param_slots):
-        var[slot] = f"p{n}"
-    for k, st in enumerate(steps):
-        var[st.out] = f"v{k}"
-
-    # Big values are dropped after their last use (the others live until the call ends).
-    last_use: dict[int, int] = {}
-    for k, st in enumerate(steps):
-        for s in st.ins:
-            if s in big_slots:
-                last_use[s] = k
-    dels: list[list[str]] = [[] for _ in steps]
-    for s, k in last_use.items():
-        if s != root_slot and s not in consts:
-            dels[k].append(var[s])
-
-    lines = ["def run(args, d=()):"]
-    if param_slots:
-        # Scalar parameters become numpy scalars: arithmetic on 0-d arrays is much slower.
-        unpack = ", ".join(var[s] for s in param_slots) + ", = args"
-        scalars = [var[s] for s in param_slots if s in scalar_params]
-        if scalars:
-            unpack += "; " + "; ".join(f"{v} = {v}[()]" for v in scalars)
-        lines.append("    " + unpack)
-    else:
-        lines.append("    () = args")
-    lines.append("    try:")
-    assert len(lines) == _FIRST_STEP_LINE - 1
-    for k, st in enumerate(steps):
-        if st.into >= 0:
-            g[f"u{k}"] = st.fn.ufunc  # type: ignore[attr-defined]
-            ops = [var[s] for s in st.ins]
-            expr = f"u{k}({', '.join(ops)}, out={ops[st.into]})"
-        elif st.template is not None:
-            ops = [scalar_var.get(s, var[s]) for s in st.ins]
-            names = {}
-            for key, value in (st.names or {}).items():
-                names[key] = f"g{k}_{key}"
-                g[names[key]] = value
-            expr = st.template.format(*ops, **names)
-        elif st.donate >= 0:
-            g[f"k{k}"] = st.fn
-            ops = [var[s] for s in st.ins]
-            expr = (f"k{k}([{', '.join(ops)}], {ops[st.donate]} if {st.donate_param} in d "
-                    f"else None)")
-        else:
-            g[f"k{k}"] = st.fn
-            expr = f"k{k}([{', '.join(var[s] for s in st.ins)}])"
-        line = f"        {var[st.out]} = {expr}"
-        if dels[k]:
-            line += "; del " + ", ".join(dels[k])
-        lines.append(line)
-    if not steps:
-        lines.append("        pass")
-    lines.append("    except Exception as e:")
-    lines.append("        x = fail(e)")
-    lines.append("        if x is None:")
-    lines.append("            raise")
-    lines.append("        raise x from e")
-    lines.append(f"    return {var[root_slot]}")
-    source = "\n".join(lines) + "\n"
-
-    def fail(e: Exception) -> Exception | None:
-        tb = e.__traceback__
-        k = -1 if tb is None else tb.tb_lineno - _FIRST_STEP_LINE
-        if not 0 <= k < len(instrs) or isinstance(e, cancel.RunStopped):
-            return None
-        if isinstance(e, EmulatorError):
-            if "while running" not in str(e):
-                return type(e)(f"{e} (while running {describe(instrs[k])})")
-            return None
-        return ExecutionError(
-            f"{describe(instrs[k])} in computation '{name}' failed: {type(e).__name__}: {e}"
-        )
-
-    g["fail"] = fail
-    # The generated source holds only names we made (p0, v12, u3, g4_axis) and templates
-    # written in the kernels: no text from the program (names, attributes, constants) ever
-    # becomes code; values reach the function through its globals. Guard that here.
-    for ident in re.findall(r"(?<![.\w])[A-Za-z_]\w*", re.sub(r"\b\w+=(?!=)", "", source)):
-        if ident not in _SAFE_WORDS and not _GENERATED.fullmatch(ident) and ident not in g:
-            raise InvalidProgramError(f"internal: unexpected name {ident!r} in generated code")
-    code = compile(source, f"<emulator computation '{name}'>", "exec")
-    exec(code, g)
-    return source, g["run"]
 
 
 class _Context:
@@ -1191,12 +868,6 @@ class _Compiler:
 
 # Values at least this big are dropped after their last use inside a computation.
 _DROP_BYTES = 1 << 16
-# Element-wise opcodes whose kernels broadcast operands like numpy (and whose results do not
-# depend on the operands' memory layout), so a broadcast operand may stay unexpanded.
-_NUMPY_BROADCASTING = frozenset(
-    {"add", "subtract", "multiply", "divide", "maximum", "minimum", "compare", "select",
-     "and", "or", "xor"}
-)
 
 
 def _static_nbytes(shape: ir_pb2.Shape) -> int:
@@ -1218,399 +889,9 @@ def _with_dims(instr: ir_pb2.Instruction, leaf_dims: Sequence[tuple[int, ...]]) 
     return out
 
 
-def _is_identity(instr: ir_pb2.Instruction, operands: list[ir_pb2.Instruction]) -> bool:
-    """Whether ``instr`` returns its only operand unchanged (same shape and type)."""
-    if len(operands) != 1 or instr.shape.is_tuple or operands[0].shape.is_tuple:
-        return False
-    src = operands[0].shape
-    if src.dtype != instr.shape.dtype or tuple(src.dims) != tuple(instr.shape.dims):
-        return False
-    if dynamic.dynamic_flags(src) != dynamic.dynamic_flags(instr.shape):
-        return False  # a run-time size becomes a bound, or the other way round
-    op = instr.opcode
-    if op in ("reshape", "bitcast", "convert", "concatenate"):
-        return True
-    if op == "slice":
-        strides = instr.attrs["strides"].ints.values if "strides" in instr.attrs else ()
-        return all(int(s) == 1 for s in strides)
-    if op == "transpose":
-        perm = tuple(instr.attrs["permutation"].ints.values) if "permutation" in instr.attrs else ()
-        return perm == tuple(range(len(perm)))
-    if op == "broadcast":
-        dims = tuple(instr.attrs["dimensions"].ints.values) if "dimensions" in instr.attrs else ()
-        return dims == tuple(range(len(dims)))
-    return False
-
-
-def _sliced_operand(instr: ir_pb2.Instruction, concat: ir_pb2.Instruction,
-                    by_id: dict[int, ir_pb2.Instruction]) -> int | None:
-    """The id of the operand of ``concat`` that the slice ``instr`` takes whole (the same
-    dtype and shape), or None."""
-    shapes = [instr.shape, concat.shape] + [by_id[o].shape for o in concat.operands]
-    if any(s.is_tuple or dynamic.has_dynamic(s) or s.dtype != instr.shape.dtype for s in shapes):
-        return None
-    if not all(k in instr.attrs for k in ("start_indices", "limit_indices")) \
-            or "dimension" not in concat.attrs:
-        return None
-    starts = tuple(int(v) for v in instr.attrs["start_indices"].ints.values)
-    limits = tuple(int(v) for v in instr.attrs["limit_indices"].ints.values)
-    strides = tuple(int(v) for v in instr.attrs["strides"].ints.values) \
-        if "strides" in instr.attrs else (1,) * len(starts)
-    axis = int(concat.attrs["dimension"].i)
-    dims = tuple(int(d) for d in instr.shape.dims)
-    if any(st != 1 for st in strides) or not 0 <= axis < len(dims) or len(starts) != len(dims):
-        return None
-    offset = 0
-    for o in concat.operands:
-        od = tuple(int(d) for d in by_id[o].shape.dims)
-        if od == dims and starts[axis] == offset and all(
-                (a, b) == (0, d) for k, (a, b, d) in enumerate(zip(starts, limits, od, strict=True))
-                if k != axis):
-            return o
-        if len(od) != len(dims):
-            return None
-        offset += od[axis]
-    return None
-
-
-def _element(instr: ir_pb2.Instruction | None,
-             by_id: dict[int, ir_pb2.Instruction]) -> ir_pb2.Instruction | None:
-    """``instr``, or what a get-tuple-element of a tuple made in the same computation reads."""
-    for _ in range(16):
-        if instr is None or instr.opcode != "get-tuple-element" or not instr.operands:
-            return instr
-        src = by_id.get(instr.operands[0])
-        if src is None or src.opcode != "tuple":
-            return instr
-        k = int(instr.attrs["index"].i) if "index" in instr.attrs else 0
-        if not 0 <= k < len(src.operands):
-            return None
-        instr = by_id.get(src.operands[k])
-    return instr
-
-
-def _is_zeros(instr: ir_pb2.Instruction, by_id: dict[int, ir_pb2.Instruction]) -> bool:
-    """A constant of zeros, or a broadcast of one (also taken out of a tuple just made)."""
-    found = _element(instr, by_id)
-    if found is not None and found.opcode == "broadcast" and len(found.operands) == 1:
-        found = _element(by_id.get(found.operands[0]), by_id)
-    if found is None:
-        return False
-    instr = found
-    if instr.opcode != "constant" or "value" not in instr.attrs or instr.shape.is_tuple:
-        return False
-    try:
-        value = literal_to_value(instr.attrs["value"].literal)
-    except Exception:  # noqa: BLE001 - a bad literal is reported when the constant compiles
-        return False
-    return isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and not np.any(value)
-
-
-def _add_into_slice(comp: ir_pb2.Computation, next_id: list[int]) -> ir_pb2.Computation:
-    """``add(x, dynamic-update-slice(zeros, u, i...))`` becomes ``dynamic-update-slice(x,
-    add(dynamic-slice(x, i...), u), i...)`` (as XLA's simplifier does): the gradient of a
-    TensorArray read, added into the accumulated gradient every iteration of a backward loop,
-    then touches one slice instead of the whole buffer, and can be done in place
-    (``mark_in_place``). Equal except that ``-0 + 0`` stays ``-0`` outside the slice. Returns
-    ``comp`` itself when nothing matches."""
-    by_id = {i.id: i for i in comp.instructions}
-    plan: dict[int, tuple[int, ir_pb2.Instruction]] = {}  # add id -> (x id, the update)
-    for i in comp.instructions:
-        if i.opcode != "add" or len(i.operands) != 2 or i.shape.is_tuple or dynamic.has_dynamic(i.shape):
-            continue
-        for side in (0, 1):
-            d, x = _element(by_id.get(i.operands[side]), by_id), by_id.get(i.operands[1 - side])
-            if d is None or x is None or d.opcode != "dynamic-update-slice" \
-                    or len(d.operands) < 3 or not all(o in by_id for o in d.operands):
-                continue
-            u = by_id[d.operands[1]]
-            if not _is_zeros(by_id[d.operands[0]], by_id) or u.shape.is_tuple or dynamic.has_dynamic(u.shape) \
-                    or x.shape.dtype != i.shape.dtype or u.shape.dtype != i.shape.dtype \
-                    or list(x.shape.dims) != list(i.shape.dims) or len(u.shape.dims) != len(i.shape.dims):
-                continue
-            plan[i.id] = (x.id, d)
-            break
-    if not plan:
-        return comp
-    out = ir_pb2.Computation()
-    out.CopyFrom(comp)
-    del out.instructions[:]
-    for i in comp.instructions:
-        if i.id not in plan:
-            out.instructions.add().CopyFrom(i)
-            continue
-        x_id, d = plan[i.id]
-        index = list(d.operands[2:])
-        ds = out.instructions.add(id=next_id[0], name=f"{i.name}.slice", opcode="dynamic-slice",
-                                  operands=[x_id, *index], source_op=i.source_op)
-        ds.shape.CopyFrom(by_id[d.operands[1]].shape)
-        ds.attrs["slice_sizes"].ints.values.extend(int(v) for v in ds.shape.dims)
-        total = out.instructions.add(id=next_id[0] + 1, name=f"{i.name}.sum", opcode="add",
-                                     operands=[ds.id, d.operands[1]], source_op=i.source_op)
-        total.shape.CopyFrom(ds.shape)
-        next_id[0] += 2
-        new = out.instructions.add()
-        new.CopyFrom(i)
-        new.opcode = "dynamic-update-slice"
-        del new.operands[:]
-        new.operands.extend([x_id, total.id, *index])
-    return out
-
-
-def _loop_bodies(module: ir_pb2.Module) -> set[int]:
-    """The computations that run once per iteration of a ``while``: its bodies, and what
-    they call (``call``, ``conditional``, nested loops)."""
-    comps = {c.id: c for c in module.computations}
-    stack = [i.called_computations[1] for c in module.computations for i in c.instructions
-             if i.opcode == "while" and len(i.called_computations) == 2]
-    found: set[int] = set()
-    while stack:
-        cid = stack.pop()
-        if cid in found or cid not in comps:
-            continue
-        found.add(cid)
-        stack.extend(callee for i in comps[cid].instructions
-                     if i.opcode in ("call", "conditional", "while") for callee in i.called_computations)
-    return found
-
-
 def _item(n: int) -> Callable[[Sequence[Any]], Any]:
     """The kernel taking value ``n`` out of a multi-output step's results."""
     return lambda ops: ops[0][n]
-
-
-def _used_steps(
-    steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int
-) -> list[tuple[_Step, ir_pb2.Instruction]]:
-    """``steps`` without those whose value the result does not need."""
-    needed = {root_slot}
-    kept: list[tuple[_Step, ir_pb2.Instruction]] = []
-    for step, instr in reversed(steps):
-        if step.out in needed or _talks_to_host(instr):
-            needed.update(step.ins)
-            kept.append((step, instr))
-    return kept[::-1]
-
-
-def _talks_to_host(instr: ir_pb2.Instruction) -> bool:
-    """An infeed or outfeed custom-call: kept even when nothing reads its result."""
-    return instr.opcode == "custom-call" and kernels.custom_call_target(instr) in _RUN_TIME_TARGETS
-
-
-def _broadcast_source(
-    made: tuple[_Step, ir_pb2.Instruction] | None, dims: dict[int, tuple[int, ...] | None]
-) -> tuple[int, tuple[int, ...]] | None:
-    """For a value made by an (expanded) ``broadcast`` that does not transpose: its operand's
-    slot and the operand's shape with ones inserted where the broadcast adds dimensions."""
-    if made is None or made[1].opcode != "broadcast" or len(made[0].ins) != 1:
-        return None
-    step, instr = made
-    bdims = tuple(int(d) for d in instr.attrs["dimensions"].ints.values) \
-        if "dimensions" in instr.attrs else ()
-    src_dims = dims.get(step.ins[0])
-    out_dims = dims.get(step.out)
-    if src_dims is None or out_dims is None or len(bdims) != len(src_dims) \
-            or list(bdims) != sorted(set(bdims)):
-        return None
-    if any(not 0 <= d < len(out_dims) or src_dims[i] != out_dims[d] for i, d in enumerate(bdims)):
-        return None
-    expanded = [1] * len(out_dims)
-    for i, d in enumerate(bdims):
-        expanded[d] = src_dims[i]
-    return step.ins[0], tuple(expanded)
-
-
-def _lazy_broadcasts(
-    live: list[ir_pb2.Instruction], by_id: dict[int, ir_pb2.Instruction], root_id: int, fault: str
-) -> dict[int, tuple[int, ...] | None]:
-    """Broadcasts that need not be expanded: every user is an element-wise op that
-    broadcasts like numpy and has another operand of the full shape (not a broadcast, or an
-    earlier broadcast that is expanded).
-    Maps the broadcast's id to None (its operand can be used as it is: it lines up with the
-    trailing dimensions) or to the shape to reshape its operand to."""
-    users: dict[int, list[ir_pb2.Instruction]] = {}
-    for instr in live:
-        for o in instr.operands:
-            users.setdefault(o, []).append(instr)
-    out: dict[int, tuple[int, ...] | None] = {}
-    expanded_ids: set[int] = set()  # broadcasts decided to be expanded (full-shaped values)
-    for instr in live:
-        if instr.opcode != "broadcast":
-            continue
-        expanded_ids.add(instr.id)  # until it qualifies below
-        if instr.opcode == fault or instr.id == root_id:
-            continue
-        if instr.shape.is_tuple or len(instr.operands) != 1:
-            continue
-        if dynamic.has_dynamic(instr.shape) or any(
-            dynamic.has_dynamic(u.shape) or any(dynamic.has_dynamic(by_id[o].shape) for o in u.operands)
-            for u in users.get(instr.id, [])
-        ):
-            continue  # users with run-time sizes get whole operands (see dynamic.py)
-        dims = tuple(int(d) for d in instr.attrs["dimensions"].ints.values) \
-            if "dimensions" in instr.attrs else ()
-        src = by_id[instr.operands[0]].shape
-        out_dims = tuple(int(d) for d in instr.shape.dims)
-        in_dims = tuple(int(d) for d in src.dims)
-        if src.is_tuple or src.dtype != instr.shape.dtype or len(dims) != len(in_dims):
-            continue
-        if list(dims) != sorted(dims) or len(set(dims)) != len(dims):
-            continue  # a transposing broadcast
-        if any(not 0 <= d < len(out_dims) or in_dims[i] != out_dims[d] for i, d in enumerate(dims)):
-            continue
-        us = users.get(instr.id, [])
-        if not us:
-            continue
-        ok = True
-        for u in us:
-            if u.opcode not in _NUMPY_BROADCASTING or u.shape.is_tuple:
-                ok = False
-                break
-            full = tuple(u.shape.dims)
-            if not any(
-                o != instr.id and (by_id[o].opcode != "broadcast" or o in expanded_ids)
-                and not by_id[o].shape.is_tuple and tuple(by_id[o].shape.dims) == full
-                for o in u.operands
-            ):
-                ok = False
-                break
-        if not ok:
-            continue
-        expanded_ids.discard(instr.id)
-        if dims == tuple(range(len(out_dims) - len(dims), len(out_dims))):
-            out[instr.id] = None
-        else:
-            expanded = [1] * len(out_dims)
-            for i, d in enumerate(dims):
-                expanded[d] = in_dims[i]
-            out[instr.id] = tuple(expanded)
-    return out
-
-
-def _reuse_buffers(steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int) -> None:
-    """Lets a plain-ufunc step write into an operand's buffer when that operand is a new
-    array made by another plain-ufunc step (same dtype and shape) and this step is its only
-    user, so no other value can see the buffer (sets ``_Step.into``)."""
-    producer: dict[int, ir_pb2.Instruction] = {}
-    users: dict[int, set[int]] = {}
-    for k, (step, instr) in enumerate(steps):
-        for s in step.ins:
-            users.setdefault(s, set()).add(k)
-        if getattr(step.fn, "ufunc", None) is not None and not instr.shape.is_tuple \
-                and len(instr.shape.dims) > 0:
-            producer[step.out] = instr
-    for k, (step, instr) in enumerate(steps):
-        if getattr(step.fn, "ufunc", None) is None or instr.shape.is_tuple or not instr.shape.dims:
-            continue
-        for j, s in enumerate(step.ins):
-            made = producer.get(s)
-            if made is None or s == root_slot or users.get(s) != {k}:
-                continue
-            if made.shape.dtype == instr.shape.dtype and tuple(made.shape.dims) == tuple(instr.shape.dims):
-                step.into = j
-                break
-
-
-def _dots_into_fused(steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int,
-                     dims: dict[int, Any], dtypes_: dict[int, Any]) -> list[tuple[_Step, ir_pb2.Instruction]]:
-    """A matrix product read only by one fused element-wise step, at the step's own index
-    (a full-shaped input of a step whose blocks are rows of a 2-D result), is computed there
-    a block of rows at a time instead of whole: ``w - lr * x.T @ dy`` never makes the
-    gradient of ``w`` (XLA's CPU backend fuses a dot into its consumer the same way). The
-    product's rows come from the same BLAS call on row ranges that ``parallel.matmul``
-    makes when it cuts by rows."""
-    users: dict[int, int] = {}
-    for st, _ in steps:
-        for slot in st.ins:
-            users[slot] = users.get(slot, 0) + 1
-    producer = {st.out: k for k, (st, _) in enumerate(steps)}
-    dropped: set[int] = set()
-    for k, (st, instr) in enumerate(steps):
-        fused = getattr(st.fn, "fused_inputs", None)
-        out_dims = dims.get(st.out)
-        lead = getattr(st.fn, "block_lead", 0)
-        if fused is None or out_dims is None or len(out_dims) != 2 or st.donate >= 0:
-            continue
-        # Blocks are rows of the result (lead 1), or runs of elements that are whole rows.
-        if not (lead == 1 or (lead == 2 and getattr(st.fn, "block_rows", 1) % out_dims[1] == 0)):
-            continue
-        for j, slot in enumerate(st.ins):
-            d = producer.get(slot)
-            if not fused[j] or d is None or d in dropped or users.get(slot) != 1 \
-                    or slot == root_slot or st.ins.count(slot) != 1:
-                continue
-            dot = steps[d][0]
-            rows = getattr(dot.fn, "rows", None)
-            if rows is None or dims.get(slot) != out_dims or dtypes_.get(slot) is None:
-                continue
-            n_cols, dt, n_ins = out_dims[1], np.dtype(dtypes_[slot]), len(st.ins)
-
-            def fn(ops: Sequence[Any], into: np.ndarray | None = None, _f: Any = st.fn,
-                   _rows: Any = rows, _j: int = j, _n: int = n_ins, _c: int = n_cols,
-                   _dt: np.dtype = dt, _flat: bool = lead == 2) -> np.ndarray:
-                lhs, rhs = ops[_j], ops[_n]
-
-                def rows_of(a: int, b: int) -> np.ndarray:
-                    if _flat:  # a run of elements: whole rows a // c to b // c
-                        a, b = a // _c, b // _c
-                    buf = parallel.scratch((b - a) * _c, _dt).reshape(b - a, _c)
-                    out = _rows([lhs, rhs], a, b, buf)
-                    return out.reshape(-1) if _flat else out
-
-                return _f(ops[:_n], into, lazy={_j: rows_of})
-
-            fn.fused_inputs = tuple(f and i != j for i, f in enumerate(fused)) + (False,)  # type: ignore[attr-defined]
-            fn.block_lead = lead  # type: ignore[attr-defined]
-            fn.block_rows = getattr(st.fn, "block_rows", 1)  # type: ignore[attr-defined]
-            ins = list(st.ins)
-            ins[j] = dot.ins[0]
-            ins.append(dot.ins[1])
-            steps[k] = (_Step(fn, tuple(ins), st.out), instr)
-            dropped.add(d)
-            break
-    return [s for k, s in enumerate(steps) if k not in dropped]
-
-
-def _mark_donations(steps: list[tuple[_Step, ir_pb2.Instruction]], root: ir_pb2.Instruction,
-                    root_slot: int, params: dict[int, int], dims: dict[int, Any],
-                    aliases: dict[int, int]) -> None:
-    """Lets the fused step that makes an aliased output write it into its parameter's buffer
-    when the caller donates that parameter (a resident variable: XLA's donated buffers).
-
-    Safe when the step reads the parameter element by element at the output's own index (a
-    full-shaped input of an element-wise fused group), no later step reads the parameter, and
-    the parameter is not itself an output. Sets ``_Step.donate``; nothing changes for
-    callers that donate nothing."""
-    if root.opcode != "tuple" or not root.shape.is_tuple:
-        return
-    root_step = next((st for st, _ in steps if st.out == root_slot), None)
-    if root_step is None:
-        return
-    outputs = root_step.ins
-    if any(leaf.is_tuple for leaf in root.shape.tuple_shapes):
-        return  # nested tuples: flat output indices do not map to the root's operands
-    position = {st.out: k for k, (st, _) in enumerate(steps)}
-    last_read: dict[int, int] = {}
-    for k, (st, _) in enumerate(steps):
-        for slot in st.ins:
-            last_read[slot] = k
-    for out_index, number in aliases.items():
-        if not 0 <= out_index < len(outputs) or number not in params:
-            continue
-        p_slot, out_slot = params[number], outputs[out_index]
-        k = position.get(out_slot)
-        if k is None or p_slot in outputs:
-            continue
-        st = steps[k][0]
-        fused = getattr(st.fn, "fused_inputs", None)
-        if fused is None or st.ins.count(p_slot) != 1:
-            continue
-        j = st.ins.index(p_slot)
-        if not fused[j] or dims.get(p_slot) != dims.get(out_slot):
-            continue
-        if any(p_slot in other.ins for other, _ in steps[k + 1:] if other is not root_step):
-            continue
-        st.donate, st.donate_param = j, number
 
 
 def _reshaper(shape: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
@@ -1621,187 +902,8 @@ def _is_view(value: Any) -> bool:
     return isinstance(value, np.ndarray) and value.base is not None and 0 in value.strides
 
 
-# -------------------------------------------------------------------------- the executable
-
-
-def _spelling(dtype: np.dtype, shape: tuple[int, ...], flags: Sequence[bool] = ()) -> str:
-    """``float32[2,3]``; a dynamic dimension is spelled by its bound, ``float32[<=8,3]``."""
-    dyn = tuple(flags) + (False,) * (len(shape) - len(flags))
-    return f"{dtype}[{','.join(('<=' if dy else '') + str(d) for d, dy in zip(shape, dyn, strict=True))}]"
-
-
-class Executable:
-    """A compiled module for one target.
-
-    ``parameters``/``outputs``: ``(dtype, shape)`` of each entry parameter and of each leaf
-    of the flattened entry result; ``parameter_dynamic``/``output_dynamic``: which of their
-    dimensions are dynamic (``shape`` then holds the bound; such an argument or output may be
-    smaller there); ``aliases``: output index -> parameter number (the output is the
-    parameter's new value); ``estimate``: the cost/memory estimate. ``run`` is thread-safe.
-
-    ``cache_record()`` describes it as plain JSON data (its signature, the estimate) for the
-    executable cache on disk; :func:`executable_from_record` makes it again from that record
-    and the module without planning it again. The Python program that runs it is never
-    stored: such an executable generates it from the module at its first run
-    (``ensure_program``).
-    """
-
-    def __init__(
-        self,
-        module: ir_pb2.Module,
-        target: Target,
-        options: CompileOptions,
-        program: Program,
-        parameters: list[tuple[np.dtype, tuple[int, ...]]],
-        param_names: list[str],
-        outputs: list[tuple[np.dtype, tuple[int, ...]]],
-        root_is_tuple: bool,
-        aliases: dict[int, int],
-        estimate: Estimate,
-        instruction_count: int,
-        parameter_dynamic: list[tuple[bool, ...]] | None = None,
-        output_dynamic: list[tuple[bool, ...]] | None = None,
-        build: Callable[[], Program] | None = None,
-    ) -> None:
-        if (program is None) == (build is None):
-            raise ValueError("Executable needs either a program or a function that builds it.")
-        self.name = module.name
-        self.target = target
-        self.options = options
-        self.parameters = parameters
-        self.outputs = outputs
-        self.aliases = aliases
-        self.estimate = estimate
-        self.parameter_dynamic = parameter_dynamic or [(False,) * len(s) for _, s in parameters]
-        self.output_dynamic = output_dynamic or [(False,) * len(s) for _, s in outputs]
-        self.instruction_count = instruction_count  # live instructions over all computations
-        self._program = program
-        self._build = build  # makes the program at the first run (executable_from_record)
-        self._build_lock = threading.Lock()
-        # Stochastic rounding: each run draws from its own stream (numerics.py).
-        self._runner = options.numerics(target).runner(module) if options.esr else None
-        self._param_names = param_names
-        self._root_is_tuple = root_is_tuple
-
-    @property
-    def step_count(self) -> int:
-        """Steps the entry computation runs per call (after folding and forwarding)."""
-        return len(self.ensure_program().steps)
-
-    @property
-    def program_ready(self) -> bool:
-        """Whether the program that runs it exists (False for an executable made from a
-        cache record until its first run or ``ensure_program``)."""
-        return self._program is not None
-
-    def ensure_program(self) -> Program:
-        """The program that runs it; made now (once, thread-safe) from the module for an
-        executable that ``executable_from_record`` made."""
-        program = self._program
-        if program is not None:
-            return program
-        with self._build_lock:
-            if self._program is None:
-                assert self._build is not None
-                self._program = self._build()
-                self._build = None  # lets the module go
-            return self._program
-
-    def cache_record(self) -> dict[str, Any]:
-        """What the executable cache on disk keeps of it: plain JSON data (no code, nothing
-        that runs), from which ``executable_from_record`` makes it again with the module.
-
-        Returns:
-            ``{"name", "parameters", "parameter_names", "outputs", "aliases",
-            "instruction_count", "estimate"}``; arrays are spelled ``float32[<=8,3]``.
-        """
-        estimate = dataclasses.asdict(self.estimate)
-        estimate["assumptions"] = list(self.estimate.assumptions)
-        return {
-            "name": self.name,
-            "parameters": [_spelling(dt, shape, dyn) for (dt, shape), dyn
-                           in zip(self.parameters, self.parameter_dynamic, strict=True)],
-            "parameter_names": list(self._param_names),
-            "outputs": [_spelling(dt, shape, dyn) for (dt, shape), dyn
-                        in zip(self.outputs, self.output_dynamic, strict=True)],
-            "aliases": [[o, p] for o, p in sorted(self.aliases.items())],
-            "instruction_count": self.instruction_count,
-            "estimate": estimate,
-        }
-
-    def _check_args(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
-        if len(args) != len(self.parameters):
-            raise ExecutionError(
-                f"'{self.name}' takes {len(self.parameters)} arguments, received {len(args)}."
-            )
-        out = []
-        for n, (a, (dt, shape)) in enumerate(zip(args, self.parameters, strict=True)):
-            if not isinstance(a, np.ndarray):
-                a = np.asarray(a)
-            if a.dtype != dt or (a.shape != shape and not _fits(a.shape, shape, self.parameter_dynamic[n])):
-                raise ExecutionError(
-                    f"'{self.name}': parameter {n} ('{self._param_names[n]}') expects "
-                    f"{_spelling(dt, shape, self.parameter_dynamic[n])}, received {_spelling(a.dtype, a.shape)}."
-                )
-            out.append(a)
-        return out
-
-    def run(self, args: Sequence[np.ndarray], donated: Iterable[int] = (),
-            stop: cancel.StopToken | None = None) -> list[np.ndarray]:
-        """Runs the program; returns the flattened entry result as C-contiguous arrays.
-
-        ``stop``: a token that can ask the run to stop (``cancel.py``): a device loop then
-        ends early (``stop.steps_completed`` says after how many steps) and the results are
-        those of its last completed step; else ``cancel.RunStopped`` is raised.
-
-        ``donated``: entry parameters (aliased to outputs) whose buffers the caller gives
-        up, as XLA's donated buffers: the program may write the aliased output into the
-        parameter's array (then that output *is* the array). Each must be a writable,
-        C-contiguous array not passed for any other parameter.
-        """
-        checked = self._check_args(args)
-        give: frozenset[int] = frozenset()
-        if donated:
-            seen: dict[int, int] = {}
-            for a in checked:
-                seen[id(a)] = seen.get(id(a), 0) + 1
-            aliased = set(self.aliases.values())
-            give = frozenset(
-                n for n in donated
-                if n in aliased and checked[n].flags.writeable and checked[n].flags.c_contiguous
-                and seen[id(checked[n])] == 1
-            )
-        program = self.ensure_program()
-        with np.errstate(all="ignore"), cancel.running(stop):
-            if self._runner is None:
-                result = program(checked, give)
-            else:
-                result = self._runner(lambda: program(checked, give))
-        flat = _flatten(result) if self._root_is_tuple else [result]
-        outs = []
-        given: set[int] = set()  # one array for two outputs (equal values share a step) is copied
-        for k, (value, (dt, shape)) in enumerate(zip(flat, self.outputs, strict=True)):
-            a = np.asarray(value)
-            if a.dtype != dt or (a.shape != shape and not _fits(a.shape, shape, self.output_dynamic[k])):
-                raise ExecutionError(
-                    f"'{self.name}': output {k} came out as {_spelling(a.dtype, a.shape)}, "
-                    f"expected {_spelling(dt, shape, self.output_dynamic[k])} (emulator kernel bug)."
-                )
-            if not (a.flags.c_contiguous and a.flags.writeable) or id(a) in given:
-                a = a.copy()
-            given.add(id(a))
-            outs.append(a)
-        return outs
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, tuple):
-        return [leaf for v in value for leaf in _flatten(v)]
-    return [value]
-
-
 def compile_module(
-    module: ir_pb2.Module, target: Target, options: CompileOptions = CompileOptions()
+    module: ir_pb2.Module, target: Target, options: CompileOptions = CompileOptions()  # noqa: B008 - frozen
 ) -> Executable:
     """Compiles ``module`` for ``target``.
 
@@ -1845,64 +947,6 @@ def compile_module(
     )
 
 
-def executable_from_record(
-    module: ir_pb2.Module, target: Target, options: CompileOptions, record: Any
-) -> Executable:
-    """The executable that ``compile_module(module, target, options)`` made when it wrote
-    ``record`` (``Executable.cache_record``), made again without planning the module: the
-    signature is read off the module (and must be the record's), the estimate is the
-    record's, and the program is generated from the module at the first run. The caller
-    must know the record belongs to this module, target and options (the disk cache's key
-    says so).
-
-    Raises:
-        ValueError: the record is malformed or does not describe this module and target.
-        InvalidProgramError: a malformed module (its entry's signature).
-    """
-    options = _checked_options(options)
-    if not isinstance(record, dict):
-        raise ValueError(f"the record must be a JSON object, not {type(record).__name__}")
-    sig = _Signature.of(module)
-    spelled = {
-        "name": module.name,
-        "parameters": [_spelling(dt, shape, dyn) for (dt, shape), dyn
-                       in zip(sig.parameters, sig.parameter_dynamic, strict=True)],
-        "parameter_names": sig.param_names,
-        "outputs": [_spelling(dt, shape, dyn) for (dt, shape), dyn
-                    in zip(sig.outputs, sig.output_dynamic, strict=True)],
-        "aliases": [[o, p] for o, p in sorted(sig.aliases.items())],
-    }
-    for name, value in spelled.items():
-        if record.get(name) != value:
-            raise ValueError(f"its {name!r} is not the module's ({str(record.get(name))[:80]} "
-                             f"vs {str(value)[:80]})")
-    count = record.get("instruction_count")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"'instruction_count' must be a count. Received: {count!r}")
-    est = Estimate.from_dict(record.get("estimate"))
-    if (est.ipu_version, est.tiles_per_ipu) != (target.ipu_version, target.tiles_per_ipu):
-        raise ValueError(f"its estimate is for {est.ipu_version} with {est.tiles_per_ipu} tiles, "
-                         f"not {target.ipu_version} with {target.tiles_per_ipu}")
-    if est.refused and not options.allow_out_of_memory:
-        raise ValueError("its estimate does not fit, and the options do not allow that")
-
-    def build() -> Program:
-        return _build_program(module, target, options)[1]
-
-    return Executable(
-        module, target, options, None, sig.parameters, sig.param_names, sig.outputs,
-        sig.root_is_tuple, sig.aliases, est, count, sig.parameter_dynamic, sig.output_dynamic,
-        build=build,
-    )
-
-
-def _checked_options(options: CompileOptions) -> CompileOptions:
-    if not isinstance(options, CompileOptions):
-        raise TypeError(f"options must be CompileOptions, got {type(options).__name__}.")
-    options.memory_proportions()  # ValueError: a proportion outside [0, 1]
-    return dataclasses.replace(options, refuse_opcodes=frozenset(options.refuse_opcodes))
-
-
 def _build_program(module: ir_pb2.Module, target: Target,
                    options: CompileOptions) -> tuple[_Compiler, Program]:
     """The entry computation's program (and the compiler that made it)."""
@@ -1936,63 +980,6 @@ def _check_dims(instr: ir_pb2.Instruction, shape: ir_pb2.Shape, depth: int = 0) 
     if count > _MAX_ELEMENTS:
         raise InvalidProgramError(f"{describe(instr)}: its shape {list(shape.dims)} has {count:,} "
                                   f"elements, over the {_MAX_ELEMENTS:,} an array may have.")
-
-@dataclass
-class _Signature:
-    """The entry computation's parameters, outputs and aliases (checked)."""
-
-    parameters: list[tuple[np.dtype, tuple[int, ...]]]
-    param_names: list[str]
-    parameter_dynamic: list[tuple[bool, ...]]
-    outputs: list[tuple[np.dtype, tuple[int, ...]]]
-    output_dynamic: list[tuple[bool, ...]]
-    root_is_tuple: bool
-    aliases: dict[int, int]
-
-    @classmethod
-    def of(cls, module: ir_pb2.Module) -> _Signature:
-        entry = next((c for c in module.computations if c.id == module.entry_computation_id), None)
-        if entry is None:
-            raise InvalidProgramError(
-                f"module '{module.name}': computation {module.entry_computation_id} does not exist.")
-        param_instrs = sorted(
-            (i for i in entry.instructions if i.opcode == "parameter"), key=lambda i: i.parameter_number
-        )
-        if [i.parameter_number for i in param_instrs] != list(range(len(param_instrs))):
-            raise InvalidProgramError(
-                f"module '{module.name}': entry parameter numbers are not 0..{len(param_instrs) - 1}."
-            )
-        parameters = []
-        for p in param_instrs:
-            dt, shape = _shape_of(p.shape)
-            if dt is None:
-                raise InvalidProgramError(f"module '{module.name}': entry {describe(p)} must be an array, not a tuple.")
-            parameters.append((dt, shape))
-
-        root = next((i for i in entry.instructions if i.id == entry.root_id), None)
-        if root is None:
-            raise InvalidProgramError(f"computation '{entry.name}': root {entry.root_id} does not exist.")
-        outputs = []
-        for leaf in _leaves(root.shape):
-            dt, shape = _shape_of(leaf)
-            if dt is None:
-                raise InvalidProgramError(f"module '{module.name}': token outputs are not supported.")
-            outputs.append((dt, shape))
-        output_dynamic = [dynamic.dynamic_flags(leaf) for leaf in _leaves(root.shape)]
-        aliases: dict[int, int] = {}
-        for a in module.aliases:
-            o, p = int(a.output_index), int(a.parameter_number)
-            if not 0 <= o < len(outputs) or not 0 <= p < len(parameters):
-                raise InvalidProgramError(f"module '{module.name}': alias output {o} -> parameter {p} is out of range.")
-            if outputs[o] != parameters[p] or output_dynamic[o] != dynamic.dynamic_flags(param_instrs[p].shape):
-                raise InvalidProgramError(
-                    f"module '{module.name}': output {o} ({_spelling(*outputs[o])}) cannot replace "
-                    f"parameter {p} ({_spelling(*parameters[p])})."
-                )
-            aliases[o] = p
-        return cls(parameters, [p.name for p in param_instrs],
-                   [dynamic.dynamic_flags(p.shape) for p in param_instrs], outputs,
-                   output_dynamic, root.shape.is_tuple, aliases)
 
 
 _ = errors  # re-exported names live in errors.py

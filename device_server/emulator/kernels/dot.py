@@ -89,7 +89,8 @@ def _dot(ctx: KernelContext) -> KernelFn:
 
         def rows(ops: Sequence[Any], a: int, b: int, out: np.ndarray) -> np.ndarray:
             """Rows a:b of the product, into ``out`` (b - a by N): how a fused consumer
-            computes it a block at a time instead of reading it whole (compiler.py)."""
+            computes it a block at a time instead of reading it whole (rewrites.py
+            ``_dots_into_fused``)."""
             lhs = np.asarray(ops[0])
             rhs = np.asarray(ops[1])
             lhs = lhs if lperm_t is None else lhs.T
