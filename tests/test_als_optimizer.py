@@ -9,9 +9,10 @@ loss scaling, Graphcore's algorithm) against a numpy reference of the rule, on t
   are integers and powers of two, and the weight update is the same float32 operations);
 - Graphcore's own cap tests (LSF capped below ``max_loss_scaling_factor``, never below 1);
 - a small model with a float16 layer trained by ``fit`` with ALS under ``IPUStrategy`` against
-  the same training on the CPU (``jit_compile=True``): the LSF goes up and down, and its
-  trajectory, the final ALS state and the float16 weights must be the same; the epoch losses
-  within 1e-5 relative and the float32 weights within 1e-5 relative L2 (seen: 1e-7);
+  the same training in float64 (numpy, the rule's reference fed the float64 gradients scaled
+  and rounded to float16): the LSF goes up and down, its trajectory and the final ALS state
+  must be the same; the weights and epoch losses within bounds stated there (a float64
+  reference rounds alike on every host, XLA's float16 arithmetic on the CPU does not);
 - accumulation (SUM) against Keras's ``gradient_accumulation_steps`` (a mean) at twice the
   learning rate; configs round trip (``get_config``/``from_config``, Keras's serialization,
   a ``.keras`` file); Graphcore's argument checks.
@@ -323,7 +324,7 @@ def test_get_gradients_scales_in_a_graph():
         opt.get_gradients(v * v, [v])
 
 
-# -- a float16 model, fit on the device against the CPU -------------------------------------
+# -- a float16 model, fit on the device against float64 --------------------------------------
 
 
 def _fp16_model() -> keras.Model:
@@ -343,41 +344,94 @@ class _LSF(keras.callbacks.Callback):
         self.values.append(float(self.model.optimizer.loss_scaling_factor))
 
 
-def test_fit_float16_model_matches_cpu(strategy):
+def _float64_fit(weights: list[np.ndarray], x: np.ndarray, y: np.ndarray, epochs: int, batch: int,
+                 lr: float, config: dict) -> tuple[list[float], list[float], list[float], list[np.ndarray], list[float]]:
+    """``_fp16_model`` trained like ``fit`` (shuffle off, SGD, mean squared error) in float64
+    numpy, with ``ReferenceALS`` fed the float16 layer's gradients scaled by the LSF and
+    rounded to float16. Returns the LSF after each step, the epoch losses, the final state
+    (``ReferenceALS.state``), the final weights, and per LSF decision its margin: how far
+    (log2) the update period's largest scaled float16 gradient is from the histogram's bin
+    edge. float64 rounds alike on every CPU (numpy's float64 products differ between hosts
+    in the last bits only, ~1e-16, far below the bounds the test uses)."""
+    w1, b1, w2, b2 = (np.asarray(w, np.float64) for w in weights)
+    als = ReferenceALS(**config)
+    lsf, losses, margins, largest = [], [], [], 0.0
+    for _ in range(epochs):
+        epoch = []
+        for s in range(0, len(x), batch):
+            xb, yb = x[s:s + batch].astype(np.float64), y[s:s + batch].astype(np.float64)
+            z = xb @ w1 + b1
+            h = np.maximum(z, 0.0)
+            p = h @ w2 + b2
+            epoch.append(float(np.mean((p - yb) ** 2)))
+            dp = 2.0 * (p - yb) / p.size
+            dz = (dp @ w2.T) * (z > 0)
+            g = [xb.T @ dz, dz.sum(0), h.T @ dp, dp.sum(0)]
+            largest = max(largest, max(float(np.abs(v).max()) for v in g[:2]) * als.lsf / als.edge)
+            if als.due():
+                margins.append(abs(float(np.log2(largest))))
+                largest = 0.0
+            with np.errstate(over="ignore"):
+                als.step([(v * als.lsf).astype(np.float16) for v in g[:2]] + [v.astype(np.float32) for v in g[2:]])
+            lsf.append(als.lsf)
+            w1, b1, w2, b2 = (w - lr * v for w, v in zip((w1, b1, w2, b2), g, strict=True))
+        losses.append(float(np.mean(epoch)))
+    return lsf, losses, als.state(), [w1, b1, w2, b2], margins
+
+
+def test_fit_float16_model_matches_float64(strategy):
+    """ALS under ``IPUStrategy`` trains a float16 layer as the rule says: ``fit`` of
+    ``_fp16_model`` (3 epochs of 8 steps, SGD(0.01), LSF from 1024, updated every 2 steps)
+    against the same training in float64 (``_float64_fit``). It stands for the IPU computing
+    the float16 layer in FP16 (FP16 weights and activations, FP32 partials in the matrix
+    products, every result rounded to FP16) with the LSF chosen from the FP16 gradients'
+    histogram. (XLA on the CPU is no reference: how it rounds float16 depends on the host's
+    instruction set. On an AVX512-FP16/AMX host 71 of XLA's 256 float16 kernel weights were
+    up to 2.5% away from the emulator's, which equal XLA's bit for bit on other hosts.)
+
+    - The LSF after every device call and the final ALS state (LSF, previous LSF, histogram,
+      counter) equal the reference's, and the LSF went up and down. Each decision compares
+      the period's largest scaled FP16 gradient with the bin edge (2^13); in the reference
+      every one is at least 2^0.1 (7%) from it (measured: 2^0.146, 10.6%), while the
+      emulator's FP16 gradients are within a few FP16 roundings (~1e-3, see below) of the
+      float64 ones: the same decisions on any host.
+    - Epoch losses within 2u = 2^-10 relative (u = 2^-11, FP16's unit roundoff: the hidden
+      activations are rounded to FP16, u each, relative; measured 3e-5).
+    - float16 weights within T*u relative L2, T = 24 updates: each update rounds every weight
+      to FP16 (at most u relative; the gradients' own roundings move an update, ~1/40 of a
+      weight, by far less); measured 1.3e-3 (kernel) and 3.0e-3 (bias), as XLA's on the
+      development host, which equal the emulator's bit for bit.
+    - float32 weights within 2u relative L2: their gradients carry the FP16 activations'
+      rounding (u relative) and their 24 updates move them by less than their norm;
+      measured 2.9e-4 and 6.9e-5."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 8)).astype("float32")
     y = (10 * np.tanh(x @ rng.standard_normal((8, 4)))).astype("float32")
-
-    def als():
-        return ALSOptimizer(keras.optimizers.SGD(0.01), initial_loss_scaling_factor=1024,
-                            update_frequency=2, max_loss_scaling_factor=2**14)
+    config = dict(initial_loss_scaling_factor=1024, update_frequency=2, max_loss_scaling_factor=2**14)
+    epochs, batch, updates, u = 3, 8, 24, 2.0 ** -11
 
     keras.utils.set_random_seed(3)
-    ref = _fp16_model()
-    ref.compile(optimizer=als(), loss="mse", jit_compile=True)
     with strategy.scope():
         ipu = _fp16_model()
-        ipu.compile(optimizer=als(), loss="mse", steps_per_execution=4)
-    ipu.set_weights(ref.get_weights())
+        ipu.compile(optimizer=ALSOptimizer(keras.optimizers.SGD(0.01), **config), loss="mse",
+                    steps_per_execution=4)
     assert isinstance(ipu.optimizer, ALSOptimizer)
-    cpu_lsf, ipu_lsf = _LSF(), _LSF()
-    h_ref = ref.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[cpu_lsf])
-    h_ipu = ipu.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[ipu_lsf])
+    lsf, losses, state, weights, margins = _float64_fit(ipu.get_weights(), x, y, epochs, batch, 0.01, config)
+    ipu_lsf = _LSF()
+    h_ipu = ipu.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[ipu_lsf])
 
-    steps = np.diff(cpu_lsf.values)
-    assert (steps > 0).any() and (steps < 0).any(), cpu_lsf.values  # it went up and down
-    assert ipu_lsf.values == cpu_lsf.values[3::4]  # callbacks run once per device call
-    for a, b in zip(h_ipu.history["loss"], h_ref.history["loss"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b)
-    for w_ipu, w_ref, v in zip(ipu.get_weights(), ref.get_weights(), ref.weights, strict=True):
-        if w_ref.dtype == np.float16:
-            np.testing.assert_array_equal(w_ipu, w_ref, err_msg=v.path)
-        else:
-            assert rel_l2(w_ipu, w_ref) <= 1e-5, v.path
-    for state in ("loss_scaling_factor", "previous_loss_scaling_factor", "histogram",
-                  "update_counter"):
-        np.testing.assert_array_equal(getattr(ipu.optimizer, state).numpy(),
-                                      getattr(ref.optimizer, state).numpy(), err_msg=state)
+    steps = np.diff(lsf)
+    assert (steps > 0).any() and (steps < 0).any(), lsf  # it went up and down
+    assert min(margins) >= 0.1, margins
+    assert ipu_lsf.values == lsf[3::4]  # callbacks run once per device call
+    opt = ipu.optimizer
+    assert [float(opt.loss_scaling_factor), float(opt.previous_loss_scaling_factor),
+            *np.asarray(opt.histogram).tolist(), float(opt.update_counter)] == state
+    for a, b in zip(h_ipu.history["loss"], losses, strict=True):
+        assert abs(a - b) <= 2 * u * abs(b), (h_ipu.history["loss"], losses)
+    for w_ipu, w_ref, v in zip(ipu.get_weights(), weights, ipu.weights, strict=True):
+        bound = updates * u if w_ipu.dtype == np.float16 else 2 * u
+        assert rel_l2(w_ipu.astype(np.float64), w_ref) <= bound, (v.path, rel_l2(w_ipu.astype(np.float64), w_ref))
 
 
 def test_mixed_float16_compile_keeps_als():

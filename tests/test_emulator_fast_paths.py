@@ -338,11 +338,33 @@ def test_dot_contracting_every_dimension_of_matrices() -> None:
     np.testing.assert_allclose(got[1], np.multiply.outer(xv, yv), rtol=1e-6)
 
 
+def _input_gradient_fp16_reference(x: np.ndarray, k1: np.ndarray, k3: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The float16 program of ``test_input_gradients_read_the_kernel_transposed_in_place``
+    as the IPU computes it, each convolution in float64 (standing for FP32 partials) and
+    rounded to FP16 where the program has an FP16 result: ``y1``, the two input gradients
+    (of ``2 * y1`` through ``k1``, of the constant 1.5 through ``k3``; the doubling is exact)
+    and their sum. Returns (gradient, y1, and the two partial gradients)."""
+    f64, f16 = np.float64, np.float16
+    x64, k1_64, k3_64 = (tf.constant(a.astype(f64)) for a in (x, k1, k3))
+    y1 = tf.nn.conv2d(x64, k1_64, 1, "VALID").numpy().astype(f16)
+    g1 = tf.nn.conv2d_transpose(tf.constant(2 * y1.astype(f64)), k1_64, x.shape, 1, "VALID")
+    dy3 = tf.constant(np.full((*x.shape[:3], k3.shape[3]), 1.5, f64))
+    g3 = tf.nn.conv2d_transpose(dy3, k3_64, x.shape, 1, "SAME")
+    g1, g3 = g1.numpy().astype(f16), g3.numpy().astype(f16)
+    return (g1.astype(f64) + g3).astype(f16), y1, g1, g3
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 def test_input_gradients_read_the_kernel_transposed_in_place(dtype: type) -> None:
     """An input gradient contracts the kernel over its output features: the kernel is a
     transposed view straight into the matrix product (1x1: pointwise; 3x3: reversed, copied;
-    float16: converted), each against XLA."""
+    float16: converted). float32 against XLA; float16 against the program computed in
+    float64 and rounded to FP16 at the program's FP16 results
+    (``_input_gradient_fp16_reference``), standing for the IPU's FP16 convolutions (FP32
+    partials, one rounding each). Bound: the FP32 sums of at most 360 products are within
+    360 * 2^-24 relative of float64, which moves each rounding by at most one ulp: y1 within
+    1 ulp, the gradient within ulp(g1) + ulp(g3) + ulp(gradient). (XLA's float16 program is
+    no reference: how it accumulates FP16 depends on the host's instruction set.)"""
 
     def fn(x: tf.Tensor, k1: tf.Tensor, k3: tf.Tensor) -> tuple[tf.Tensor, ...]:
         with tf.GradientTape(persistent=True) as tape:
@@ -356,5 +378,16 @@ def test_input_gradients_read_the_kernel_transposed_in_place(dtype: type) -> Non
     x = rng.standard_normal((2, 6, 5, 24)).astype(dtype)
     k1 = (rng.standard_normal((1, 1, 24, 40)) / 5).astype(dtype)
     k3 = (rng.standard_normal((3, 3, 24, 40)) / 10).astype(dtype)
-    tol = 1e-5 if dtype == np.float32 else 2e-3
-    eu.check(fn, x, k1, k3, rtol=tol, atol=tol)
+    if dtype == np.float32:
+        eu.check(fn, x, k1, k3, rtol=1e-5, atol=1e-5)
+        return
+    module, _ = eu.lower(fn, x, k1, k3)
+    grad, y1 = eu.run_ir(module, [x, k1, k3])
+    want, want_y1, g1, g3 = _input_gradient_fp16_reference(x, k1, k3)
+    assert grad.dtype == y1.dtype == np.float16
+
+    def ulp(a: np.ndarray) -> np.ndarray:
+        return np.spacing(np.abs(a)).astype(np.float64)
+
+    assert np.all(np.abs(y1.astype(np.float64) - want_y1) <= ulp(want_y1))
+    assert np.all(np.abs(grad.astype(np.float64) - want) <= ulp(g1) + ulp(g3) + ulp(want))
