@@ -32,15 +32,28 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
 
 
-def float64_twin(build, model: keras.Model) -> keras.Model:
-    """``build()`` made under ``floatx("float64")`` with ``model``'s weights: a reference that
-    rounds alike on every CPU (float32 references depend on the host's instruction set)."""
-    before = keras.config.floatx()
+@contextlib.contextmanager
+def float64_policy() -> Iterator[None]:
+    """Layers made in the block compute and keep their variables in float64: ``floatx`` and
+    the global dtype policy both float64, restored after. (``set_floatx`` alone is not
+    enough: Keras caches the global policy, made from ``floatx``, when the first layer is
+    built, and later layers follow the cached policy.)"""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     try:
-        twin = build()
+        yield
     finally:
-        keras.config.set_floatx(before)
+        keras.config.set_dtype_policy(policy)
+        keras.config.set_floatx(floatx)
+
+
+def float64_twin(build, model: keras.Model) -> keras.Model:
+    """``build()`` made under :func:`float64_policy` with ``model``'s weights: a reference that
+    rounds alike on every CPU (float32 references depend on the host's instruction set)."""
+    with float64_policy():
+        twin = build()
+    assert all(w.dtype == "float64" for w in twin.weights if "float" in str(w.dtype)), twin.name
     twin.set_weights([np.asarray(w, np.float64) for w in model.get_weights()])
     return twin
 
