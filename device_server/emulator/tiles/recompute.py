@@ -110,14 +110,55 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
     # Per buffer: positions of its forward readers and of its later (backward, update) readers,
     # and the stages whose forward reads it.
     # A backward instruction that reads no gradient (no tensor the backward or the update
-    # made: a ReLU's mask, the loss's derivative from the forward's outputs) is forward work
-    # under recomputation: Poplar runs it when the backward needs it, after the remaking.
+    # made: a ReLU's mask, the loss's derivative from the forward's outputs, a batch norm's
+    # ``x - mean`` in its gradient) is forward work under recomputation: Poplar runs it when
+    # the backward needs it, after the remaking, wherever the order being swept put it (a
+    # scheduler free to run it as soon as its operands exist puts it right after the forward
+    # pass). It counts as run, and its operands as read, where the first instruction that is
+    # not such work needs its result (``needed``). Within one TF op, a backward instruction
+    # that reads such work of the same op is such work too. An "update" instruction is such
+    # work when it reads forward activations or "update" work of this kind, and nothing else
+    # the backward made (a custom gradient's computations, which no "gradient_tape/" name
+    # marks).
     # (Its operands, not the buffers it reads: a gradient fused into a chain is not stored.)
     by_id = {i.id: i for i in ctx.comp.instructions}
-    early = {p.instr.name for p in points
-             if phase.get(p.instr.name, "forward") == "backward"
-             and not any(o in by_id and phase.get(by_id[o].name, "forward") != "forward"
-                         for o in p.instr.operands)}
+
+    early_ids: set[int] = set()
+    for ins in ctx.comp.instructions:  # operands first
+        ph = phase.get(ins.name, "forward")
+        if ph == "forward" or (rec.recomputed_stages is not None
+                               and _stage(ins, S) not in rec.recomputed_stages):
+            continue
+        ops = [by_id[o] for o in ins.operands if o in by_id]
+        if rec.policy != "segments":  # cheap: made again at each read, nothing moved
+            if ph == "backward" and all(phase.get(o.name, "forward") == "forward" for o in ops):
+                early_ids.add(ins.id)
+        elif ph == "backward":
+            # Reads nothing the backward made, but in the TF op it is part of (an op's several
+            # instructions: RsqrtGrad's y^3 before it multiplies by dy). Not across TF ops:
+            # the loss's gradient itself is made from forward values alone.
+            if all(phase.get(o.name, "forward") == "forward"
+                   or (o.id in early_ids and o.source_op == ins.source_op) for o in ops):
+                early_ids.add(ins.id)
+        elif all(phase.get(o.name, "forward") == "forward"
+                 or (o.id in early_ids and phase.get(o.name) == "update") for o in ops) and any(
+                o.id in early_ids or o.opcode not in _KEPT_OPS for o in ops):
+            early_ids.add(ins.id)  # an "update" chain from forward activations alone
+    early = {p.instr.name for p in points if p.instr.id in early_ids}
+    at = {points[pi].instr.id: k for k, pi in enumerate(live.order)}
+    users: dict[int, list[int]] = {}
+    for ins in ctx.comp.instructions:
+        for o in ins.operands:
+            users.setdefault(o, []).append(ins.id)
+    # needed[i]: the first position where work that is not early needs the value of i (users
+    # come after their operands: one pass from the end).
+    needed: dict[int, int] = {}
+    for ins in reversed(ctx.comp.instructions):
+        found = [at[u] if u in at and by_id[u].name not in early else needed.get(u)
+                 for u in users.get(ins.id, ())]
+        found = [k for k in found if k is not None]
+        if found:
+            needed[ins.id] = min(found)
 
     def forward_work(name: str) -> bool:
         return phase.get(name, "forward") == "forward" or name in early
@@ -125,9 +166,13 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
     fwd: dict[int, list[int]] = {}      # reads by forward work (early backward included)
     early_reads: dict[int, list[int]] = {}
     late: dict[int, list[int]] = {}
+    grad_reads: dict[int, list[int]] = {}   # the late reads by the backward pass itself
     fwd_stages: dict[int, set[int]] = {}
+    runs_at: dict[str, int] = {}        # early work: where it counts as run
     for k, pi in enumerate(live.order):
         p = points[pi]
+        if p.instr.name in early and rec.policy == "segments":
+            k = runs_at[p.instr.name] = max(k, needed.get(p.instr.id, k))
         for b in p.uses:
             if p.instr.name in early:
                 early_reads.setdefault(id(b), []).append(k)
@@ -136,6 +181,8 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
                 fwd_stages.setdefault(id(b), set()).add(_stage(p.instr, S))
             else:
                 late.setdefault(id(b), []).append(k)
+                if phase.get(p.instr.name, "forward") == "backward":
+                    grad_reads.setdefault(id(b), []).append(k)
     if not late:
         return live
     held = checkpoint_makers(ctx.comp)
@@ -146,6 +193,15 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
                 and ins.opcode not in _KEPT_OPS and ins.name not in held
                 and not (fwd_stages.get(id(b), set()) - {_stage(ins, S)}))  # a stage input
 
+    # Early work moved to where it counts as run: its result is made there, and its operands
+    # are live until then.
+    moved: list[tuple[Buf, int, int]] = []
+    for b, first, last in live.ranges:
+        if last < n and id(b) in early_reads:
+            last = max(last, *early_reads[id(b)])
+        if b.instr.name in runs_at:
+            first = max(first, min(runs_at[b.instr.name], last))
+        moved.append((b, first, last))
     ranges: list[tuple[Buf, int, int]] = []
     again: dict[str, int] = {}
     if rec.policy == "segments":
@@ -155,27 +211,30 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
                 cuts.setdefault(_stage(p.instr, S), []).append(k)
         chosen: list[tuple[Buf, int, int, tuple[int, int]]] = []
         start: dict[tuple[int, int], int] = {}
-        for b, first, last in live.ranges:
+        for b, first, last in moved:
             s = _stage(b.instr, S)
-            if (rec.recomputed_stages is None or s in rec.recomputed_stages) and candidate(b, first, last):
+            if (b.instr.name not in runs_at and (rec.recomputed_stages is None
+                                                 or s in rec.recomputed_stages)
+                    and candidate(b, first, last)):
                 seg = (s, bisect.bisect_left(sorted(cuts.get(s, ())), b.born))
                 chosen.append((b, first, last, seg))
-                start[seg] = min(start.get(seg, n), min(late[id(b)]))
+                start[seg] = min(start.get(seg, n), min(grad_reads.get(id(b), [n])))
             else:
                 ranges.append((b, first, last))
         for b, first, last, seg in chosen:
             # Live through the forward pass to its last forward read; made again where its
-            # segment's backward starts, or where an early backward instruction (a mask)
-            # first reads it after the forward pass, if sooner.
+            # segment's backward starts (the first read of any of the segment's tensors by
+            # the backward pass), or where it is read after the forward pass (by the weight
+            # update, or by early work, a mask, where that counts as run), if sooner.
             ahead = set(early_reads.get(id(b), ()))
             lf = max([k for k in fwd.get(id(b), ()) if k not in ahead], default=first)
-            r = min([start[seg], *(k for k in ahead if k > lf)])
+            r = min([start[seg], min(late[id(b)]), *(k for k in ahead if k > lf)])
             if first < r and r > lf + 1:
                 ranges += [(b, first, lf), (b, r, last)]
             else:
                 ranges.append((b, first, last))
     else:
-        spans = {b.instr.id: (first, last) for b, first, last in live.ranges}
+        spans = {b.instr.id: (first, last) for b, first, last in moved}
         made_again: set[int] = set()
 
         def available(oid: int, until: int) -> bool:
@@ -188,7 +247,7 @@ def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Li
             span = spans.get(root.id)
             return span is not None and root.id not in made_again and span[1] >= until
 
-        for b, first, last in live.ranges:
+        for b, first, last in moved:
             ins = b.instr
             reads = late.get(id(b), [])
             if (candidate(b, first, last) and ins.opcode in _CHEAP_OPS and ins.operands
