@@ -205,3 +205,51 @@ def test_work_that_reads_no_gradient_does_not_remake_a_segment_early(tf) -> None
     peaks = [e.peak_tile_bytes for e in (recomputed, kept)]
     # Measured 91,170 B against 124,306 B (124,120 B recomputed before the fix).
     assert peaks[0] < 0.85 * peaks[1], peaks
+
+
+def _bert_pipeline(layers: int = 4, hidden: int = 256):
+    """tf_ipu.models.bert with a checkpoint after every layer in three stages: the embedding
+    and the first half of the layers on IPU 0, the rest on IPU 1, the heads back on IPU 0
+    (the layout of Graphcore's BERT pipelines), RecomputeAndBackpropagateInterleaved."""
+    import re
+
+    import keras
+    from tensorflow.python import ipu
+
+    import tf_ipu
+    from tf_ipu.models.bert import bert_classifier, bert_encoder
+
+    with tf_ipu.IPUStrategy().scope():
+        model = bert_classifier(bert_encoder(layers=layers, hidden=hidden, heads=4, seq_len=128,
+                                             vocab=1000, dropout=0.0, checkpoints="every_layer"),
+                                classes=2)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        stages = []
+        for a in model.get_pipeline_stage_assignment():
+            m = re.match(r"layer_(\d+)_", a.layer.name)
+            first = a.layer.name.startswith(("token_", "position_", "embedding"))
+            stages.append(0 if first or (m and int(m.group(1)) < layers // 2) else 1 if m else 2)
+        model.set_pipeline_stage_assignment(stages)
+        model.set_pipelining_options(
+            gradient_accumulation_steps_per_replica=8, device_mapping=[0, 1, 0],
+            recomputation_mode=ipu.ops.pipelining_ops.RecomputationMode.RecomputeAndBackpropagateInterleaved)
+    return model
+
+
+def test_backward_work_runs_when_its_inputs_exist(tf, monkeypatch) -> None:
+    """A recomputed stage's weight gradients (and a layer norm's gamma and beta gradients)
+    run as soon as their inputs exist, where that ends more bytes than it makes: a schedule
+    made without the remaking in view leaves them after the next layers' backward, and the
+    remade activations they read would stay live across those (``recompute.hoisted``). On
+    Graphcore's BERT-Base pretraining pipeline this took the fullest tile from 848,328 B to
+    632,464 B; here, with hoisting turned off for comparison, the peak is at least 5% higher
+    (measured 211,964 B against 190,836 B)."""
+    import tf_ipu
+    from device_server.emulator.tiles import recompute
+
+    model = _bert_pipeline()
+    on = tf_ipu.estimate(model, 16, training=True, ipu_version="ipu2", recomputation=True)
+    monkeypatch.setattr(recompute, "hoisted", lambda ctx, live, rec: live)
+    off = tf_ipu.estimate(model, 16, training=True, ipu_version="ipu2", recomputation=True)
+    assert on.peak_tile_bytes < 0.95 * off.peak_tile_bytes, (on.peak_tile_bytes, off.peak_tile_bytes)

@@ -90,7 +90,10 @@ class Recomputation:
 
         def of(ctx: CompPlan) -> Liveness:
             if id(ctx) not in memo:
-                memo[id(ctx)] = recomputed_liveness(ctx, live_of(ctx), self)
+                live = live_of(ctx)
+                if self.policy == "segments":
+                    live = hoisted(ctx, live, self)
+                memo[id(ctx)] = recomputed_liveness(ctx, live, self)
             return memo[id(ctx)]
 
         return of
@@ -98,6 +101,91 @@ class Recomputation:
 
 def _stage(instr: ir_pb2.Instruction, S: int) -> int:
     return min(max(stage_of(instr), 0), S - 1)
+
+
+def hoisted(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Liveness:
+    """``live`` with backward work of a recomputed stage that last reads forward tensors (a
+    weight gradient's matmul: the layer's input with the gradient of its output) run as soon
+    as its operands exist, where that ends more bytes than it makes. A schedule made without
+    recomputation in view has no reason to run it early: to it, those tensors are live from
+    the forward pass whatever it does, so it may leave it after the next layers' backward;
+    remade, they would then stay live across them. Poplar's scheduler, which sees the
+    remaking, runs it when its gradient is ready."""
+    points = ctx.points
+    n = len(live.order)
+    phase = rec.phase
+    S = max(rec.stages, 1)
+    pos = {pi: k for k, pi in enumerate(live.order)}
+    last_read: dict[int, int] = {}
+    for k, pi in enumerate(live.order):
+        for b in points[pi].uses:
+            last_read[id(b)] = k
+    outlive: dict[int, list[Buf]] = {}  # per point: what it makes that outlives it
+    for b, first, end in live.ranges:
+        if end > first:
+            outlive.setdefault(b.born, []).append(b)
+    readers: dict[int, set[int]] = {}
+    for k, pi in enumerate(live.order):
+        for b in points[pi].uses:
+            readers.setdefault(id(b), set()).add(k)
+
+    def movable(k: int) -> bool:
+        p = points[live.order[k]]
+        return (phase.get(p.instr.name, "forward") == "backward" and not p.subs
+                and p.instr.opcode not in _KEPT_OPS
+                and (rec.recomputed_stages is None or _stage(p.instr, S) in rec.recomputed_stages))
+
+    target = [float(k) for k in range(n)]
+    taken: set[int] = set()
+    moved = 0
+    for k in range(n):
+        if k in taken or not movable(k):
+            continue
+        # The chain: k, and while all a member makes is read by one point only, that point
+        # (a reduction's convert, then the reduction, then its cast back).
+        chain = [k]
+        while len(chain) < 4:
+            outs = outlive.get(live.order[chain[-1]], [])
+            nxt = {r for b in outs for r in readers.get(id(b), ())}
+            if len(nxt) != 1 or not outs:
+                break
+            j = nxt.pop()
+            if j <= chain[-1] or j in taken or not movable(j):
+                break
+            chain.append(j)
+        inside = {live.order[c] for c in chain}
+        ends = 0.0
+        ready = -1
+        for c in chain:
+            p = points[live.order[c]]
+            for b in p.uses:
+                if b.born in inside:
+                    continue
+                if b.kind == "activation" and last_read.get(id(b)) == c:
+                    ends += b.nbytes
+                if b.kind == "activation":  # (what it reads through fused producers
+                    # included: they store nothing, only the stored tensors order it)
+                    ready = max(ready, pos.get(b.born, -1))
+        made = sum(b.nbytes for b in outlive.get(live.order[chain[-1]], []))
+        if ends > made and ready < k - 1:
+            for c in chain:
+                target[c] = ready + 0.5
+            taken.update(chain)
+            moved += 1
+    key = [(target[k], k) for k in range(n)]
+    if not moved:
+        return live
+    order = [live.order[k] for _, k in sorted(key)]
+    new = {pi: k for k, pi in enumerate(order)}
+    last: dict[int, int] = {}
+    for k, pi in enumerate(order):
+        for b in points[pi].uses:
+            last[id(b)] = k
+    ranges = []
+    for b, first, end in live.ranges:
+        f = new.get(b.born, first)
+        ranges.append((b, f, end if end >= n else max(last.get(id(b), f), f)))
+    return Liveness(order, ranges, live.scheduler)
 
 
 def recomputed_liveness(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Liveness:
