@@ -71,8 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest gRPC message either way; a larger request gets "
                         f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_MESSAGE_BYTES})")
     p.add_argument("--lease-seconds", type=float, default=_DEFAULTS.lease_seconds,
-                   help="default session lease: a session not heard from for this long is "
-                        f"closed and its IPUs freed (default {_DEFAULTS.lease_seconds:g})")
+                   help="default session lease: a session not heard from for this long (and, "
+                        "if its client asked for a connection lease, whose connection closed) "
+                        f"is closed and its IPUs freed (default {_DEFAULTS.lease_seconds:g})")
+    p.add_argument("--keepalive-seconds", type=float, default=_DEFAULTS.keepalive_seconds,
+                   help="ping each client connection quiet for this long and close it if the "
+                        "ping goes unanswered for twice that; 0: gRPC's default (2 h) and no "
+                        f"connection leases (default {_DEFAULTS.keepalive_seconds:g})")
+    p.add_argument("--no-connection-leases", dest="connection_leases", action="store_false",
+                   help="keep sessions by their time leases only (Heartbeats), not while "
+                        "their client's connection is up: use behind a proxy that pools "
+                        "connections")
     p.add_argument("--cache-entries", type=int, default=_DEFAULTS.cache_entries,
                    help=f"executables kept in the server's cache (default "
                         f"{_DEFAULTS.cache_entries})")
@@ -275,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_waiting_calls=args.max_waiting_calls,
         executable_cache_path=args.executable_cache_path,
         executable_cache_bytes=args.executable_cache_bytes,
+        keepalive_seconds=args.keepalive_seconds,
+        connection_leases=args.connection_leases,
     )
     try:
         if bool(args.tls_cert) != bool(args.tls_key):

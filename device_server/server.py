@@ -10,7 +10,10 @@
 ``serve()`` starts serving and returns a ``ServerHandle`` (bound port, ``stop(grace)``). It
 binds 127.0.0.1 by default; exposing it on another interface is an explicit choice, best
 made with a token (``token``) and TLS (``tls_cert_chain``/``tls_private_key``). A missing
-or wrong token gets UNAUTHENTICATED. ``ServerHandle.stop`` drains: new work is refused with
+or wrong token gets UNAUTHENTICATED. The server pings every client connection that has been
+quiet for ``ServiceConfig.keepalive_seconds`` and closes one that does not answer
+(``keepalive_options``): that is what lets a session live on its connection while its
+client's Python is busy (``sessions.py``, connection leases). ``ServerHandle.stop`` drains: new work is refused with
 UNAVAILABLE, calls in flight get a grace period, then the server stops. ``cli.py`` is the
 command line around it.
 """
@@ -47,6 +50,35 @@ def grpc_message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     (clamped to gRPC's int32 range; <= 0 means unlimited)."""
     n = -1 if max_message_bytes <= 0 else min(int(max_message_bytes), _GRPC_INT_MAX)
     return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
+
+
+#: Clients may ping this often at most without calls in flight (``tf_ipu.client`` pings every
+#: 20 s); faster pings are answered with GOAWAY "too_many_pings" after two strikes.
+MIN_CLIENT_PING_SECONDS = 5.0
+
+
+def keepalive_options(keepalive_seconds: float) -> list[tuple[str, int]]:
+    """gRPC server options: ping each client connection after ``keepalive_seconds`` without
+    traffic (also with no call in flight) and close it if the ping is not answered within
+    twice that (at least 1 s); accept clients' own keepalive pings every
+    ``MIN_CLIENT_PING_SECONDS``. gRPC's C core answers pings on its own threads, so a client
+    whose Python holds the GIL still answers; a client that is gone does not (or its kernel
+    closed the connection already). ``keepalive_seconds <= 0``: only the client ping policy
+    (the server pings after gRPC's default of 2 hours)."""
+    options = [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_SECONDS * 1000)),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging an idle connection
+    ]
+    if keepalive_seconds > 0:
+        ms = max(1, int(keepalive_seconds * 1000))
+        timeout = max(1000, 2 * ms)
+        # grpcio 1.85 closes a connection whose ping goes unanswered after
+        # ``grpc.http2.ping_timeout_ms``; ``keepalive_timeout_ms`` alone did not (a stopped
+        # client's connection was still open a minute later).
+        options += [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", timeout),
+                    ("grpc.http2.ping_timeout_ms", timeout)]
+    return options
 
 
 def format_address(host: str, port: int) -> str:
@@ -216,7 +248,7 @@ def serve(
     service = DeviceService(config)
     service.max_execute_streams = max(0, max_workers // 2)  # the rest serve the other calls
     options = (grpc_message_options(config.max_message_bytes) + [("grpc.so_reuseport", 0)]
-               + receive_window_options())
+               + receive_window_options() + keepalive_options(config.keepalive_seconds))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="device-rpc"),
         options=options,
@@ -258,11 +290,12 @@ def serve(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     handle = ServerHandle(server, service, health_servicer, host, bound)
     logger.info(
-        "device server serving on %s (%s, %s): %d x %s, max message %d bytes, lease %.1f s, "
+        "device server serving on %s (%s, %s): %d x %s, max message %d bytes, lease %.1f s%s, "
         "max %d bytes per session, request deadline %g s, %d cached executables",
         handle.address, "TLS" if tls_cert_chain is not None else "plaintext",
         "token required" if token else "no token", config.num_ipus,
         service.default_ipu_version, config.max_message_bytes, config.lease_seconds,
+        " (or while connected)" if service.sessions.connections is not None else "",
         config.max_session_bytes, config.request_deadline_seconds, config.cache_entries,
     )
     if not is_loopback(host) and not token:

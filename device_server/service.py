@@ -71,12 +71,14 @@ from device_server.emulator import (
     executable_from_record,
     get_target,
 )
+from device_server.emulator.cancel import running
 from device_server.emulator.kernels.infeed import InfeedEnded
 from device_server.emulator.replicas import run_replicated
 from device_server.executable_cache import ExecutableCache, cache_key
 from device_server.protocol import device_pb2, dtypes, hardware, ir_pb2, shm
 from device_server.protocol.chunks import parse_chunk
 from device_server.sessions import (
+    ConnectionTable,
     ExecutableHandle,
     IpuPool,
     ServiceError,
@@ -152,6 +154,12 @@ class ServiceConfig:
         executable_cache_bytes: bound of that folder's entries, in bytes.
         system: a named system (``device_server.protocol.hardware.SYSTEMS``: its IPUs, their
             version and links), or "" for ``num_ipus`` IPUs of any version sessions ask for.
+        keepalive_seconds: the server pings each client connection after this many seconds
+            without traffic, and closes one whose ping is not answered (``server.
+            keepalive_options``); 0: gRPC's default (2 hours), and no connection leases.
+        connection_leases: keep a session while its client's connection is up, when the
+            client asks (``sessions.py``); off behind a proxy that pools connections (the
+            server would see the proxy's connection, not the client's).
     """
 
     num_ipus: int = 1
@@ -169,6 +177,8 @@ class ServiceConfig:
     executable_cache_path: str = ""
     executable_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
     system: str = ""
+    keepalive_seconds: float = 2.0
+    connection_leases: bool = True
 
 
 @dataclass
@@ -350,6 +360,8 @@ class DeviceService:
             default_lease_seconds=config.lease_seconds,
             max_waiting_calls=config.max_waiting_calls,
             on_close=self._on_session_closed,
+            connections=ConnectionTable()
+            if config.connection_leases and config.keepalive_seconds > 0 else None,
         )
         self.cache = ExecutableCache(config.cache_entries)
         # ValueError for a folder that cannot be used: the server does not start.
@@ -740,8 +752,17 @@ class DeviceService:
 
     # -- sessions and IPUs --------------------------------------------------------------
 
+    def _peer(self) -> str:
+        """The peer of this call's connection (``ipv4:10.0.0.7:53122``), or ""."""
+        context = self._call.context
+        try:
+            return str(context.peer()) if context is not None else ""
+        except Exception:  # no peer once the connection is gone
+            return ""
+
     def open_session(self, request: device_pb2.OpenSessionRequest) -> device_pb2.OpenSessionReply:
-        session = self.sessions.open(request.client_name, request.lease_seconds)
+        session = self.sessions.open(request.client_name, request.lease_seconds,
+                                     peer=self._peer() if request.connection_lease else "")
         session.data = SessionData()
         self.counters.add("sessions_opened")
         return device_pb2.OpenSessionReply(
@@ -755,6 +776,7 @@ class DeviceService:
             max_session_bytes=self.config.max_session_bytes,
             unix_socket=self.config.unix_socket,
             system=self.system.name if self.system else "",
+            connection_lease=session.connection_lease,
         )
 
     def close_session(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
@@ -762,7 +784,9 @@ class DeviceService:
         return device_pb2.Empty()
 
     def heartbeat(self, request: device_pb2.SessionRef) -> device_pb2.Empty:
-        self.sessions.get(request.session_id)  # renews the lease
+        session = self.sessions.get(request.session_id)  # renews the lease
+        if session.connection_lease:  # and ties it to this connection too (a reconnect)
+            self.sessions.bind(session, self._peer())
         return device_pb2.Empty()
 
     def attach_ipus(self, request: device_pb2.AttachIpusRequest) -> device_pb2.AttachIpusReply:
@@ -882,6 +906,8 @@ class DeviceService:
                 _check_array_sizes(module, self.config.max_session_bytes)
                 try:
                     exe = compile_module(module, target, options)
+                except RunStopped:  # cancelled (_compile_stoppable says so)
+                    raise
                 except Exception as e:
                     mapped = _compile_error(e, module.name)
                     if mapped is e:
@@ -892,7 +918,7 @@ class DeviceService:
                 return exe
 
             self.counters.add("compile_requests")
-            lookup = self.cache.get_or_compile(key, build)
+            lookup = self._compile_stoppable(s, key, build, module.name)
             hit = lookup.hit or bool(from_disk)
             if hit:
                 self.counters.add("cache_hits")
@@ -921,6 +947,27 @@ class DeviceService:
                 estimate=_estimate(exe.estimate),
                 compile_seconds=lookup.compile_seconds,
             )
+
+    def _compile_stoppable(self, s: Session, key: str, build: Callable[[], Any],
+                           module_name: str) -> Any:
+        """``cache.get_or_compile(key, build)`` with a stop token, as a run has: CancelRun
+        (Ctrl-C), the client going away or its deadline, the session closing and the server
+        shutting down stop the planning at its next ``cancel.checkpoint``; nothing is cached
+        and the session takes its next call at once. A compile of the same key that another
+        call started and was stopped is compiled again here."""
+        token = self._stop_token(0.0)
+        with s.run(token), running(token):
+            while True:
+                try:
+                    return self.cache.get_or_compile(key, build)
+                except RunStopped as e:
+                    if token.reason is None:  # another call's compile of this key stopped
+                        continue
+                    self.counters.add(f"compiles_stopped.{token.reason}")
+                    code, kind = _STOP_STATUS[token.reason]
+                    raise ServiceError(
+                        code, f"Compile of {module_name!r}: {e}; nothing was compiled or cached "
+                        f"({_STOP_WHY.get(token.reason, token.reason)}).", kind=kind) from None
 
     def _replication(self, s: Session, replicas: int, module_name: str,
                      ipus_per_replica: int = 1) -> dict[str, Any]:
@@ -1404,6 +1451,7 @@ def prometheus_text(values: dict[str, int], latency: LatencyStats | None = None)
         ("error_kinds", "kind", _COUNTER_HELP["errors"]),
         ("rpcs", "method", "RPCs received."),
         ("runs_stopped", "reason", "Runs stopped before their end (cancel, deadline, ...)."),
+        ("compiles_stopped", "reason", "Compiles stopped before their end (cancel, ...)."),
     ):
         metric = f"{prefix}{family}_total"
         lines += [f"# HELP {metric} {help_text} by {label}", f"# TYPE {metric} counter"]

@@ -2,8 +2,23 @@
 
 A session is the unit of isolation: it owns the IPUs attached to it (exclusively), the
 architecture it compiles for, its device-resident variables and its executable handles. A
-session lives while its client keeps its lease alive (any call or a Heartbeat); a reaper
-thread closes sessions whose lease has run out and frees their IPUs. AttachIpus may wait,
+session lives while its client keeps its lease alive (any call or a Heartbeat), or, with a
+connection lease, while the client's connection is up; a reaper thread closes sessions whose
+lease has run out and frees their IPUs.
+
+Connection leases (``OpenSessionRequest.connection_lease``): a client whose Python is busy
+(TensorFlow tracing a large model holds the GIL for tens of seconds) cannot send Heartbeats,
+but gRPC's C core in its process still answers the server's keepalive pings, which the
+server sends on every connection (``server.keepalive_options``): a connection that stops
+answering is closed by the server, one whose process died is closed by the kernel. So the
+session is tied to the TCP connections its OpenSession and Heartbeats came on (the call's
+peer, ``ipv4:10.0.0.7:53122``), and when its lease runs out the reaper renews it if one of
+them is still open. Which connections are open is read from gRPC's channelz
+(``ConnectionTable``): one look per reaper pass, and only when a connection-leased session's
+time is up or a new connection was bound, so it costs no thread, no RPC and nothing per call.
+A client that is gone loses its connection, and then its session within the lease.
+
+AttachIpus may wait,
 within a bound, for IPUs to be freed (not first come, first served: a request that fits the
 free IPUs goes ahead of one waiting for more).
 
@@ -16,6 +31,7 @@ those into gRPC errors.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -32,6 +48,11 @@ logger = logging.getLogger(__name__)
 #: Bounds on the lease a client may ask for.
 MIN_LEASE_SECONDS = 0.2
 MAX_LEASE_SECONDS = 24 * 3600.0
+#: Connections one session may be tied to at once (a reconnecting client adds one each time;
+#: closed ones are dropped at the reaper's next look).
+MAX_SESSION_CONNECTIONS = 8
+#: Peers that name one TCP connection (a Unix socket's peer is "unix:" for every client).
+_CONNECTION_PEERS = ("ipv4:", "ipv6:")
 
 
 class ServiceError(Exception):
@@ -186,6 +207,70 @@ class IpuPool:
             self._changed.notify_all()
 
 
+class ConnectionTable:
+    """The client connections open on this process's gRPC servers, from gRPC's channelz.
+
+    gRPC's C core keeps a channelz node for each connection a server holds (it is on by
+    default, ``grpc.enable_channelz``), named after the peer as ``ServicerContext.peer()``
+    gives it; grpcio reads them through ``grpc._cython.cygrpc.channelz_*`` (the functions the
+    grpcio-channelz service wraps). Connection ids are never reused in a process. If channelz
+    cannot be read (a future grpcio without these functions), ``snapshot`` returns None and
+    sessions fall back to their time leases.
+    """
+
+    def __init__(self) -> None:
+        try:
+            from grpc._cython import cygrpc
+
+            self._servers = cygrpc.channelz_get_servers
+            self._sockets = cygrpc.channelz_get_server_sockets
+        except (ImportError, AttributeError):
+            self._servers = self._sockets = None
+        self._warned = False
+
+    @property
+    def available(self) -> bool:
+        """Whether channelz can be read here."""
+        return self._servers is not None
+
+    def snapshot(self) -> dict[str, int] | None:
+        """``peer -> connection id`` of every client connection open right now (a peer seen
+        on two connections, of two servers of this process, maps to -1: ambiguous); None if
+        channelz cannot be read."""
+        if self._servers is None or self._sockets is None:
+            return None
+        try:
+            live: dict[str, int] = {}
+            for server_id in self._pages(lambda start: self._servers(start), "server",
+                                         lambda ref: int(ref["ref"]["serverId"])):
+                for sock in self._pages(lambda start, sid=server_id: self._sockets(sid, start, 0),
+                                        "socketRef", lambda ref: ref):
+                    peer = str(sock.get("name", "")).partition(" ")[2]  # "chttp2 <peer>"
+                    conn = int(sock["socketId"])
+                    live[peer] = -1 if peer in live else conn
+            return live
+        except Exception as e:  # malformed or changed channelz output
+            if not self._warned:
+                self._warned = True
+                logger.warning("cannot read gRPC's channelz (%s: %s): sessions are kept by "
+                               "their time leases only", type(e).__name__, e)
+            return None
+
+    @staticmethod
+    def _pages(fetch: Callable[[int], str], key: str, item: Callable[[Any], Any]) -> list[Any]:
+        """Every entry of a paginated channelz listing (``fetch(start_id)`` -> JSON)."""
+        out: list[Any] = []
+        start = 0
+        while True:
+            page = json.loads(fetch(start))
+            entries = page.get(key, [])
+            out.extend(item(e) for e in entries)
+            if page.get("end", True) or not entries:
+                return out
+            last = entries[-1]
+            start = int(last["ref"]["serverId"] if key == "server" else last["socketId"]) + 1
+
+
 @dataclass
 class ExecutableHandle:
     """A session's handle on a compiled executable (shared through the server's cache)."""
@@ -209,6 +294,10 @@ class Session:
         self.opened_at = time.monotonic()
         self.last_seen = self.opened_at
         self.closed = False
+        # Connection lease: kept while one of these connections is open (peer -> channelz
+        # connection id, 0 until the reaper looked it up); guarded by the manager's lock.
+        self.connection_lease = False
+        self.connections: dict[str, int] = {}
         self.ipu_ids: list[int] = []
         self.target: Any = None  # device_server.emulator Target while IPUs are attached
         self.ipu_version = ""
@@ -407,6 +496,8 @@ class SessionManager:
         on_close: called with ``(session, reason)`` after a session is closed
             (``reason`` is ``"closed"`` or ``"expired"``); used for counters.
         reaper_period: seconds between lease checks.
+        connections: where to see which client connections are open; None: no connection
+            leases (every session keeps its time lease only).
     """
 
     def __init__(
@@ -416,8 +507,12 @@ class SessionManager:
         max_waiting_calls: int = 8,
         on_close: Callable[[Session, str], None] | None = None,
         reaper_period: float = 0.25,
+        connections: ConnectionTable | None = None,
     ) -> None:
         self.pool = pool
+        self.connections = connections if connections is not None and connections.available \
+            else None
+        self._unresolved = False  # a session was bound to a connection not looked up yet
         self.default_lease_seconds = default_lease_seconds
         self.max_waiting_calls = max_waiting_calls
         self._on_close = on_close
@@ -456,13 +551,17 @@ class SessionManager:
 
     # -- sessions -----------------------------------------------------------------------
 
-    def open(self, client_name: str, lease_seconds: float) -> Session:
+    def open(self, client_name: str, lease_seconds: float, peer: str = "") -> Session:
         """Opens a session with a fresh random id.
 
         Args:
             client_name: free text for logs.
             lease_seconds: 0 for the server's default; otherwise within
                 [MIN_LEASE_SECONDS, MAX_LEASE_SECONDS].
+            peer: for a connection lease, the peer of the connection the request came on
+                (``ServicerContext.peer()``); "": a time lease only. A peer that does not
+                name one connection (a Unix socket's) gives a time lease too (see
+                ``Session.connection_lease``).
         """
         if lease_seconds != lease_seconds or lease_seconds < 0:  # NaN or negative
             raise ServiceError(
@@ -478,11 +577,29 @@ class SessionManager:
                 f"Received: {lease_seconds}",
             )
         session = Session(secrets.token_hex(16), client_name[:200], float(lease_seconds))
+        session.connection_lease = self.connections is not None and peer.startswith(
+            _CONNECTION_PEERS)
         with self._lock:
             self._sessions[session.session_id] = session
-        logger.info("opened session %s for %r (lease %.1f s)", session.short_id,
-                    session.client_name, session.lease_seconds)
+        if session.connection_lease:
+            self.bind(session, peer)
+        logger.info("opened session %s for %r (lease %.1f s%s)", session.short_id,
+                    session.client_name, session.lease_seconds,
+                    f", kept while {peer} is connected" if session.connection_lease else "")
         return session
+
+    def bind(self, session: Session, peer: str) -> None:
+        """Ties a connection-leased session to the connection of ``peer`` as well (a
+        Heartbeat's: the client reconnected); nothing for other sessions and peers. Cheap
+        when already bound: on the path of every Heartbeat."""
+        if not session.connection_lease or peer in session.connections \
+                or not peer.startswith(_CONNECTION_PEERS):
+            return
+        with self._lock:
+            if len(session.connections) >= MAX_SESSION_CONNECTIONS:
+                session.connections.pop(next(iter(session.connections)))  # the oldest
+            session.connections[peer] = 0
+            self._unresolved = True
 
     def get(self, session_id: str) -> Session:
         """The open session ``session_id``; renews its lease.
@@ -553,7 +670,8 @@ class SessionManager:
     # -- leases -------------------------------------------------------------------------
 
     def reap_once(self) -> list[str]:
-        """Closes sessions whose lease expired and that are not inside a call.
+        """Closes sessions whose lease expired and that are not inside a call; renews the
+        lease of a connection-leased session instead while one of its connections is open.
 
         Returns:
             The ids of the sessions closed.
@@ -561,6 +679,10 @@ class SessionManager:
         now = time.monotonic()
         with self._lock:
             candidates = [s for s in self._sessions.values() if s.expired(now)]
+            look = self.connections is not None and (
+                self._unresolved or any(s.connections for s in candidates))
+        if look:
+            candidates = self._renew_connected(candidates)
         reaped = []
         for s in candidates:
             if not s.try_enter():
@@ -576,6 +698,35 @@ class SessionManager:
             finally:
                 s.leave()
         return reaped
+
+    def _renew_connected(self, candidates: list[Session]) -> list[Session]:
+        """Looks up the connections sessions are bound to (one channelz read): resolves new
+        bindings, forgets closed connections, renews the lease of each of ``candidates``
+        that still has one open. Returns the candidates left to reap."""
+        assert self.connections is not None
+        live = self.connections.snapshot()
+        if live is None:
+            return candidates  # channelz unreadable: time leases only
+        open_ids = set(live.values())
+        with self._lock:
+            self._unresolved = False
+            for session in self._sessions.values():
+                for peer, conn in list(session.connections.items()):
+                    if conn == 0:  # bound since the last look: which connection is it?
+                        found = live.get(peer, -1)
+                        if found > 0:
+                            session.connections[peer] = found
+                        else:  # closed already, or ambiguous: the time lease decides
+                            del session.connections[peer]
+                    elif conn not in open_ids:
+                        del session.connections[peer]
+                        logger.info("session %s: its client's connection %s closed; the "
+                                    "lease (%.1f s) runs from its last sign of life",
+                                    session.short_id, peer, session.lease_seconds)
+            kept = [s for s in candidates if s.connections]
+        for s in kept:
+            s.touch()
+        return [s for s in candidates if not s.connections]
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self._reaper_period):

@@ -1,5 +1,5 @@
 """Device calls that can be stopped: a run deadline, a cancel from the client (Ctrl-C), the
-session closing. A device loop stops at its next step and keeps the variables of the last
+session closing; and a Compile (its planning stops at a checkpoint, nothing is cached). A device loop stops at its next step and keeps the variables of the last
 completed step; other loops stop at their next iteration and keep nothing; the IPU takes the
 next call at once.
 
@@ -260,3 +260,20 @@ def test_a_run_waiting_for_its_infeed_stops_at_its_deadline(client):
     assert time.monotonic() - start < 5.0
     # Step 1 took the 2nd batch and then waited for a 3rd: it was abandoned, step 0 kept.
     np.testing.assert_array_equal(_w(client), np.full(8, 4, np.float32))
+
+
+def test_cancel_stops_a_compile_and_the_session_compiles_the_next_at_once(client):
+    from interrupt_util import chain_module
+
+    module = chain_module(12000, name="chain_cancelled")  # ~14 s of planning
+    timer = threading.Timer(1.0, client.cancel_running)
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(errors.CancelledError, match="stopped .cancelled. while .*nothing was "
+                       "compiled or cached"):
+        client.compile(module)
+    assert time.monotonic() - start < 5.0
+    start = time.monotonic()
+    exe = client.compile(su.sgd_module(name="after_cancelled_compile")).executable_id
+    assert exe and time.monotonic() - start < 5.0
+    assert client.counters()["compiles_stopped.cancelled"] >= 1

@@ -1,7 +1,9 @@
 """The host side of the device protocol: a thin, typed wrapper over the gRPC stub.
 
     tf_ipu.runtime -> DeviceClient (this module) ==gRPC==> device_server.service.DeviceService
-                      |- one session, its lease kept by a heartbeat thread
+                      |- one session, kept while this client's connection is up (the
+                      |  server's keepalive pings, answered by gRPC's C core even while
+                      |  Python holds the GIL) and by a heartbeat thread
                       |- Execute calls over one ExecuteStream (no call set-up each time)
                       '- numpy arrays <-> wire Tensors (raw bytes + dtype + dims; no pickle)
 
@@ -51,6 +53,10 @@ _SERVICE = device_pb2.DESCRIPTOR.services_by_name["DeviceService"].full_name
 ERROR_KIND_METADATA = "tf-ipu-error-kind"
 TOKEN_ENV = "TF_IPU_SERVER_TOKEN"
 _GRPC_INT_MAX = (1 << 31) - 1
+#: The client's own keepalive pings (seconds): a connection whose server stopped answering
+#: fails its calls within about twice this, instead of at their deadlines. The device server
+#: accepts pings this often (``device_server.server.MIN_CLIENT_PING_SECONDS``).
+KEEPALIVE_SECONDS = 20.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class SessionInfo:
     max_session_bytes: int = 0  # 0: no limit
     unix_socket: str = ""       # where the server also listens, for clients on its machine
     system: str = ""            # the named system it hosts ("" for a plain count of IPUs)
+    connection_lease: bool = False  # kept while this client's connection is up
 
 
 @dataclass(frozen=True)
@@ -238,9 +245,13 @@ class _ExecuteStream:
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """gRPC channel options: message limits lifted to ``max_message_bytes`` (<= 0:
-    unlimited), a quick reconnect after the server restarts, and a receive window of two
-    chunks (``receive_window_options``)."""
+    unlimited), a quick reconnect after the server restarts, a receive window of two
+    chunks (``receive_window_options``), and a connection of the channel's own that stays
+    up while the channel is open: the session's connection lease lives on it (not shared
+    with other channels of the process, which would keep it up after this client closed;
+    not dropped when idle), and keepalive pings find a server that stopped answering."""
     n = -1 if max_message_bytes <= 0 else min(int(max_message_bytes), _GRPC_INT_MAX)
+    keepalive_ms = int(KEEPALIVE_SECONDS * 1000)
     return [
         ("grpc.max_send_message_length", n),
         ("grpc.max_receive_message_length", n),
@@ -248,6 +259,13 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.enable_retries", 0),
         *receive_window_options(),  # replies' chunks: at most two in flight
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.client_idle_timeout_ms", _GRPC_INT_MAX),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms),
+        ("grpc.http2.ping_timeout_ms", keepalive_ms),  # (what closes it in grpcio 1.85)
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -326,9 +344,11 @@ class DeviceClient:
         self._session: SessionInfo | None = None
         self._attachment: Attachment | None = None
         self._heartbeat: _Heartbeat | None = None
+        self._lease_stub = self._stub  # the session's connection (TCP), for its heartbeats
         self._reachable = False
         self._closed = False
         self._lock = threading.Lock()
+        self.heartbeats = 0  # sent and answered
         self.heartbeat_failures = 0
         if data_path is None:
             data_path = os.environ.get("TF_IPU_DATA_PATH", "").strip() or "auto"
@@ -614,6 +634,12 @@ class DeviceClient:
     def open_session(self, lease_seconds: float = 0.0) -> SessionInfo:
         """Opens this client's session and starts its heartbeat.
 
+        The session asks for a connection lease: the server keeps it while this client's
+        connection is up, also when no call or heartbeat comes for longer than the lease
+        (TensorFlow holding the GIL for a long trace, a large transfer in flight); a client
+        that is gone loses it within the lease. ``session.connection_lease`` says whether the
+        server agreed (not behind a proxy, for example); if not, the heartbeat alone keeps it.
+
         Args:
             lease_seconds: the lease; 0 for the server's default. The heartbeat renews it
                 three times per lease.
@@ -632,7 +658,8 @@ class DeviceClient:
                 )
             reply = self._call(
                 "OpenSession",
-                device_pb2.OpenSessionRequest(client_name=self.client_name, lease_seconds=lease_seconds),
+                device_pb2.OpenSessionRequest(client_name=self.client_name,
+                                              lease_seconds=lease_seconds, connection_lease=True),
             )
             self._session = SessionInfo(
                 session_id=reply.session_id,
@@ -645,7 +672,9 @@ class DeviceClient:
                 max_session_bytes=reply.max_session_bytes,
                 unix_socket=reply.unix_socket,
                 system=reply.system,
+                connection_lease=reply.connection_lease,
             )
+            self._lease_stub = self._stub  # stays on this connection after a move
             self._start_heartbeat(reply.session_id, reply.lease_seconds)
             logger.debug("opened session %s on %s", reply.session_id, self.address)
         try:
@@ -760,16 +789,21 @@ class DeviceClient:
         self.data.control = "gRPC over Unix socket"
 
     def _start_heartbeat(self, session_id: str, lease_seconds: float) -> None:
+        """Renews the lease three times per lease from a thread, over the connection the
+        session was opened on (with a connection lease, a heartbeat after a reconnect ties
+        the session to the new connection). A thread that cannot get the GIL misses its
+        beats; the connection lease covers that."""
         interval = max(0.05, lease_seconds / 3.0)
         stop = threading.Event()
+        stub = self._lease_stub
 
         def beat() -> None:
             request = device_pb2.SessionRef(session_id=session_id)
             failing = False  # a run of failures is logged once, as a warning
             while not stop.wait(interval):
                 try:
-                    self._stub.Heartbeat(request, timeout=max(interval, 1.0),
-                                         metadata=self._metadata)
+                    stub.Heartbeat(request, timeout=max(interval, 1.0), metadata=self._metadata)
+                    self.heartbeats += 1
                     failing = False
                 except grpc.RpcError as e:
                     self.heartbeat_failures += 1
@@ -888,7 +922,8 @@ class DeviceClient:
             request.module_blob_id = self.data.put_blob(module.SerializeToString())
         else:
             request.module.CopyFrom(module)
-        reply = self._call("Compile", request, self.run_timeout)
+        # Stoppable as a run is: cancel_running (Ctrl-C) stops the server's planning too.
+        reply = self._call_stoppable("Compile", request, self.run_timeout)
         e = reply.estimate
         outputs = [_spec(o) for o in reply.outputs]
         aliased = {int(a.output_index) for a in reply.aliases}

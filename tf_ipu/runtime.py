@@ -187,6 +187,8 @@ class DeviceRuntime:
         self._stats = {"calls": 0, "client_seconds": 0.0, "device_seconds": 0.0}
         self._in_flight = 0
         self.interrupts = 0   # Ctrl-Cs that cancelled a device call
+        self._close_registered = False
+        self._chasing = False  # a thread cancels calls while a Ctrl-C is pending
         # Newer device values a closing session could not give back (reconfigure, shutdown):
         # the next device call raises it once, naming the step the host's copies hold.
         self._pending_loss: errors.DeviceStateLostError | None = None
@@ -299,6 +301,9 @@ class DeviceRuntime:
                 raise
             self._disconnect()  # a previous connection to another server, if any
             self._client = client
+            if not self._close_registered:  # e.g. a script ended by Ctrl-C: free the IPUs now
+                atexit.register(self._close_at_exit)
+                self._close_registered = True
             self._config = cfg
             self._config_key = key
             self.residency.lose_session()  # all stale values were fetched by _disconnect
@@ -319,10 +324,40 @@ class DeviceRuntime:
     def _on_interrupt(self) -> None:
         """Ctrl-C (on the watcher thread, tf_ipu.interrupt): cancels the device call in
         progress, which the device stops at its next step."""
+        with interrupt.cancelling() as now:
+            client = self._client
+            if now and client is not None and client.cancel_running():
+                self.interrupts += 1
+                _log.info("tf_ipu: Ctrl-C: the device call stops at its next step")
+        if interrupt.pending() and not self._chasing:
+            self._chasing = True
+            threading.Thread(target=self._cancel_while_pending, name="tf-ipu-sigint-cancel",
+                             daemon=True).start()
+
+    def _cancel_while_pending(self) -> None:
+        """Until the KeyboardInterrupt is raised (30 s at most): cancels any device call that
+        started after the Ctrl-C all the same (it had checked for one just before)."""
+        try:
+            end = time.monotonic() + 30.0
+            while interrupt.pending() and time.monotonic() < end:
+                time.sleep(0.05)
+                with interrupt.cancelling() as now:
+                    client = self._client
+                    if now and interrupt.pending() and client is not None \
+                            and client.cancel_running():
+                        self.interrupts += 1
+        finally:
+            self._chasing = False
+
+    def _close_at_exit(self) -> None:
+        """At exit: closes the session, so that its IPUs are free for the next client at once
+        (not at its lease's end). Nothing is read back: the process is ending."""
         client = self._client
-        if client is not None and client.cancel_running():
-            self.interrupts += 1
-            _log.info("tf_ipu: Ctrl-C: the device call stops at its next step")
+        if client is not None and self._local_server is None:  # else shutdown() closes it
+            try:
+                client.close()
+            except Exception:  # the server may be gone
+                pass
 
     def ensure_configured(self) -> None:
         """Connects if there is no connection: with the last configuration (after a lost
@@ -460,6 +495,10 @@ class DeviceRuntime:
         e.g. by a test, it is replaced)."""
         import tf_ipu_ops
 
+        # Ctrl-C reaches device calls from the start: a SavedModel loaded in a fresh process
+        # configures the system lazily, from the kernel, off the main thread.
+        interrupt.on_interrupt(self._on_interrupt)
+        interrupt.install()
         current = tf_ipu_ops.get_device_handler()
         if isinstance(current, _Handler) and current.runtime is self:
             return
@@ -496,6 +535,7 @@ class DeviceRuntime:
     def compile(self, program: bytes, signature: str) -> CompileReport:
         """Registers and compiles a program now (errors surface here, at lowering time)."""
         pid = self.register_program(program, signature)
+        _check_interrupt(signature)
         with self._lock:
             entry = self._programs[pid]
             self._on_device(lambda: self._compile_entry(entry))
@@ -504,6 +544,7 @@ class DeviceRuntime:
     def _compile_entry(self, entry: ProgramEntry) -> None:
         if entry.executable_id is not None:
             return
+        _check_interrupt(entry.name)
         cfg = self._config
         module = ir_pb2.Module.FromString(entry.program)
         with _CompileProgress(entry.name):
@@ -576,9 +617,11 @@ class DeviceRuntime:
             start = time.perf_counter()
             if threading.get_ident() == _MAIN_THREAD:
                 interrupt.install()  # in case the wakeup fd was replaced since
+            _check_interrupt(entry.name)
             self._in_flight += 1
             try:
-                results = self._on_device(lambda: self._run(entry, inputs))
+                with interrupt.held_back():  # KeyboardInterrupt once TF has returned
+                    results = self._on_device(lambda: self._run(entry, inputs))
             except KeyboardInterrupt:
                 # Ctrl-C while this (main) thread waited: stop the call on the device too.
                 self._on_interrupt()
@@ -643,6 +686,7 @@ class DeviceRuntime:
         """One device call: compile if needed, upload the variables the host wrote (or the
         device does not hold), execute. Updated variables stay on the device."""
         self._compile_entry(entry)
+        _check_interrupt(entry.name)  # (a Ctrl-C during the compile or the connecting)
         res = self.residency
         bindings: list[Any] = []
         writes: dict[str, np.ndarray] = {}
@@ -876,6 +920,18 @@ def _connection_lost(error: errors.DeviceError) -> bool:
     return error.code == "NOT_FOUND" and (
         error.kind == "unknown-session" or error.message.startswith("No open session")
     )
+
+
+def _check_interrupt(what: str) -> None:
+    """Fails a device call (or compile) at once while a Ctrl-C is on its way to the main
+    thread as KeyboardInterrupt (tf_ipu.interrupt): so a host loop of device calls (a
+    ``tf.while_loop`` around ``strategy.run``) ends at its next call."""
+    if interrupt.pending():
+        if what.startswith("{"):  # a program's signature (JSON)
+            what = str(json.loads(what).get("name", "program"))
+        raise errors.CancelledError(
+            f"{what}: not run: Ctrl-C (KeyboardInterrupt) interrupted this process's device "
+            f"calls", kind="cancelled")
 
 
 class _Handler:

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended
 
-from tf_ipu import errors, notices
+from tf_ipu import errors, interrupt, notices
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
 
 _state = threading.local()
@@ -315,7 +315,9 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
             )
         infeeds.update({feed: feeds.host_iterator(q) for feed, q in queues.items()})
         if not infeeds:
-            with errors.plain_device_errors():
+            # Called eagerly: Ctrl-C raises KeyboardInterrupt once the call stopped. (In a
+            # tf.function this only adds the op; tf_ipu.interrupt covers its calls.)
+            with interrupt.deferred_interrupt(), errors.plain_device_errors():
                 return _replica_zero(lowered, call_lowered(lowered, flat))
         from tf_ipu import runtime
 
@@ -324,7 +326,7 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
             feeders = [stack.enter_context(feeds.Feeder(client, feed, it))
                        for feed, it in infeeds.items()]
             try:
-                with errors.plain_device_errors():
+                with interrupt.deferred_interrupt(), errors.plain_device_errors():
                     result = call_lowered(lowered, flat)
             except Exception:
                 stack.close()  # the feeders stop; one that failed says why the call did

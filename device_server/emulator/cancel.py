@@ -18,6 +18,11 @@ that state in place; otherwise the whole call is abandoned. Any other loop raise
 ``RunStopped`` at its next iteration: the call is abandoned and the caller keeps nothing of
 it. Programs with loops never write into donated buffers (``rewrites._mark_donations``), so
 an abandoned call leaves the variables as they were.
+
+A Compile has a token too (``service.compile``: the client's cancel, its deadline, the session
+closing): planning calls ``checkpoint`` between its phases and every few instructions of the
+long ones, which raises ``RunStopped`` once the token is stopped; nothing is cached then, and
+the session (and its IPUs) take the next call at once.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from device_server.emulator.errors import EmulatorError
 from device_server.protocol import DEVICE_LOOP_NAME
 
 __all__ = ["DEVICE_LOOP_NAME", "NESTED_GRACE_SECONDS", "REASONS", "RunStopped", "StopToken",
-           "current", "is_device_loop", "running"]
+           "checkpoint", "current", "is_device_loop", "running"]
 #: How long a step of a device loop may go on after a stop was asked before its inner
 #: loops give up.
 NESTED_GRACE_SECONDS = 1.0
@@ -126,6 +131,15 @@ def is_device_loop(source_op: str) -> bool:
 
 
 _current = threading.local()
+
+
+def checkpoint(where: str) -> None:
+    """Where long work that is not a run (a Compile's planning) may stop: raises
+    ``RunStopped`` if this thread's token (``running``) was asked to stop. Cheap enough to
+    call every few instructions."""
+    token = getattr(_current, "token", None)
+    if token is not None and token.reason is not None:
+        raise RunStopped(f"stopped ({token.reason}) while {where}", token.reason)
 
 
 def current() -> StopToken | None:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from device_server.emulator import cancel
 from device_server.emulator.tiles.irinfo import layer_name, stage_of
 from device_server.emulator.tiles.liveness import Liveness, graph_of, hlo_liveness, liveness
 from device_server.emulator.tiles.mapping import TileMapping
@@ -171,6 +172,8 @@ class _Sweeper:
         chip = 0.0
         points = ctx.points
         for k in range(n + 1):
+            if not k & 255:
+                cancel.checkpoint("sweeping tile memory")  # a Compile's client may cancel it
             for b in deaths[k]:
                 b.mapping.add_to(run, -b.itemsize)
             p = points[live.order[k]] if k < n else None

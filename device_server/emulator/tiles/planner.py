@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from device_server.emulator import calibration
+from device_server.emulator import calibration, cancel
 from device_server.emulator.arch import Target
 from device_server.emulator.tiles.collectives import CollectivePlanning
 from device_server.emulator.tiles.control import ControlPlanning
@@ -114,6 +114,7 @@ class _Planner(ElementwisePlanning, MovementPlanning, ProductPlanning, Reduction
         eff = self.eff
         values: dict[int, Value] = {}
         for k, instr in enumerate(live):
+            cancel.checkpoint("planning the tile mapping")  # a Compile's client may cancel it
             ctx.points.append(Point(instr))
             self.enter_stage(instr)
             op = instr.opcode

@@ -42,6 +42,7 @@ import numpy as np
 
 from device_server.emulator import calibration
 from device_server.emulator.arch import Target
+from device_server.emulator.cancel import RunStopped
 from device_server.emulator.errors import TileModelError, describe, layer_of
 from device_server.emulator.tiles import cycles as cyc
 from device_server.emulator.tiles.irinfo import stage_of
@@ -884,6 +885,8 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
         if half:
             est.context["half_partials"] = half
         return est
+    except RunStopped:  # a cancelled Compile (cancel.checkpoint): not a tile model failure
+        raise
     except Exception as e:  # noqa: BLE001 - raised as TileModelError, or reported
         error = tile_model_error(module.name, e)
         if on_failure == "raise":
