@@ -365,3 +365,35 @@ def run_in_threads(worker: Callable[[int], None], count: int = 4) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def widened_reference(fn: Callable[..., Any], args: Sequence[Any], like: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The XLA reference of a float32 or 16-bit float program at the edges of the range:
+    ``fn`` run by XLA on the arguments widened exactly (float32 to float64, 16-bit floats to
+    float32), each result that ``like`` (the emulator's outputs) has in a narrower float type
+    rounded to it once.
+
+    For 16-bit floats this is :func:`float32_reference`. For float32 it stands in for XLA's
+    float32 programs, which its CPU backend runs with denormals flushed to zero (subnormal
+    arguments read as zero, subnormal results flushed), where the emulator keeps IEEE's
+    gradual underflow: in float64 every float32 subnormal is a normal number, so the result,
+    rounded once to float32, is IEEE's float32 result (correctly rounded for +, -, *, / and
+    sqrt, whose double rounding through float64 is innocuous: 53 >= 2 * 24 + 2 bits), and
+    float32 overflow appears at the rounding (beyond the float32 range, +-inf)."""
+    wide = []
+    for a in args:
+        a = np.asarray(a.numpy() if hasattr(a, "numpy") else a)
+        if a.dtype == np.float32:
+            a = a.astype(np.float64)
+        elif a.dtype in _HALF:
+            a = a.astype(np.float32)
+        wide.append(a)
+    expected = _flat_numpy(_as_xla_function(fn)(*wide))
+    out = []
+    for e, g in zip(expected, like, strict=True):
+        g_dtype = np.asarray(g).dtype
+        if e.dtype != g_dtype and e.dtype.kind == "f" and (g_dtype.kind == "f" or g_dtype in _HALF):
+            with np.errstate(over="ignore"):
+                e = e.astype(g_dtype)
+        out.append(e)
+    return out

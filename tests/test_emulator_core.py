@@ -7,7 +7,9 @@ functions get a small ``atol`` near zero crossings; XLA's CPU backend flushes su
 subnormal inputs are excluded and results below 1e-30 in magnitude are not compared
 relatively); integers and booleans exactly. Opcodes no TF op produces (``count-leading-zeros``,
 ``round-nearest-afz``, ``cbrt``, total-order ``compare``, ``map``, ``custom-call``) are
-tested on hand-built IR against numpy references.
+tested on hand-built IR against numpy references. The same kernels at the edges (FP16 with
+FP32 partials, subnormals, +-inf, NaN, overflow, generated ``dot_general`` dimension numbers,
+stable sorts with NaNs; 200 examples each) are in ``test_emulator_properties.py``.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from device_server.emulator import dynamic, errors, fusion, jit, kernels, numerics
+from device_server.emulator import cancel, dynamic, errors, fusion, jit, kernels, numerics
 from device_server.emulator.arch import Target
 from device_server.emulator.codegen import Program, _Step
 from device_server.emulator.errors import (
@@ -264,6 +264,15 @@ class _Context:
         comp = self._callee(index)
         by_id = {i.id: i for i in comp.instructions}
         root = by_id.get(comp.root_id)
+        for _ in range(8):  # through ``call(p0, p1)`` wrappers (xla.reduce with a TF function)
+            if root is None or root.opcode != "call" or len(root.called_computations) != 1:
+                break
+            args = [by_id.get(o) for o in root.operands]
+            if [a.parameter_number if a is not None and a.opcode == "parameter" else -1 for a in args] != [0, 1]:
+                return None
+            comp = self._compiler.computation_ir(root.called_computations[0], self.instr)
+            by_id = {i.id: i for i in comp.instructions}
+            root = by_id.get(comp.root_id)
         if root is None or root.opcode not in _REDUCER_UFUNCS or len(root.operands) != 2:
             return None
         if self._compiler.options.fault_inject_opcode == root.opcode:
@@ -408,6 +417,10 @@ class _Compiler:
                     )
             if instr.id in by_id:
                 raise InvalidProgramError(f"computation '{comp.name}': duplicate instruction id {instr.id}.")
+            if instr.opcode == "parameter" and instr.operands:  # kept live even when unused
+                raise InvalidProgramError(f"{describe(instr)} in computation '{comp.name}': a "
+                                          f"parameter takes no operands, it has "
+                                          f"{len(instr.operands)}.")
             _check_dims(instr, instr.shape)
             by_id[instr.id] = instr
         if comp.root_id not in by_id:
@@ -515,6 +528,7 @@ class _Compiler:
             return slot
 
         for instr in live:
+            cancel.checkpoint("compiling the program")  # a Compile's client may cancel it
             op = instr.opcode
             operands = [by_id[o] for o in instr.operands]
             expected = _arity(op)
@@ -922,6 +936,7 @@ def compile_module(
     """
     options = _checked_options(options)
     compiler, program = _build_program(module, target, options)
+    cancel.checkpoint("compiling the program")  # between planning phases (cancel.py)
     sig = _Signature.of(module)
     est = estimate_module(module, compiler.live_instructions, target, replicas=options.replicas,
                           system=options.system, ipu_ids=options.ipu_ids,
@@ -934,6 +949,7 @@ def compile_module(
                           memory_proportions=options.memory_proportions(),
                           partials_types=options.partials_types(),
                           on_failure="report")
+    cancel.checkpoint("planning the tile mapping")
     if est.refused and not options.allow_out_of_memory:
         raise OutOfMemoryError(est.oom_message())
     if est.fits is None:  # estimate_module logged the traceback; this says what it means here

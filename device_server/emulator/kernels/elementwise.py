@@ -632,7 +632,7 @@ def _reduce_precision_bits(x: np.ndarray, dt: np.dtype, exp_bits: int, man_bits:
         signed_inf = signed_zero | exp_mask
         bits = np.where(e > max_exp, signed_inf, np.where(e <= min_exp, signed_zero, bits))
     out = np.asarray(bits, udt).view(dt)
-    return np.where(np.isnan(x), x, out) if man_bits > 0 else out
+    return np.where(np.isnan(x), x, out)  # a NaN stays itself (XLA), also with 0 mantissa bits
 
 
 @register("reduce-precision")
@@ -647,7 +647,7 @@ def _reduce_precision(ctx: KernelContext) -> KernelFn:
         raise ValueError(f"invalid reduce-precision format e{exp_bits}m{man_bits}")
     if exp_bits >= src_e and man_bits >= src_m:
         return lambda ops: ops[0]
-    if _is_16bit_float(dt):  # exact detour through float32
+    if dt == _BF16:  # exact detour through float32: the same exponent field, subnormals alike
         def run16(ops: Sequence[Any]) -> np.ndarray:
             x = np.asarray(ops[0], np.float32)
             return _reduce_precision_bits(x, np.dtype(np.float32), exp_bits, man_bits, src_e).astype(dt)

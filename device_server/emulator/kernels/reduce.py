@@ -290,8 +290,10 @@ def _argminmax(ctx: KernelContext, dims: tuple[int, ...]) -> Callable[[Sequence[
 # -------------------------------------------------------------------------------------- sort
 
 
-def _sort_fast_path(ctx: KernelContext, n: int) -> tuple[int, bool] | None:
-    """(key operand, descending) when the comparator is a plain LT/GT of one operand pair."""
+def _sort_fast_path(ctx: KernelContext, n: int) -> tuple[int, bool, bool] | None:
+    """(key operand, descending, total order) when the comparator is a plain LT/GT of one
+    operand pair; ``total order`` is false for a float compare of type FLOAT (or none given),
+    under which -0 and +0 tie."""
     comp = ctx.computation_ir(0)  # type: ignore[attr-defined]
     by_id = {i.id: i for i in comp.instructions}
     root = by_id[comp.root_id]
@@ -305,12 +307,15 @@ def _sort_fast_path(ctx: KernelContext, n: int) -> tuple[int, bool] | None:
     if pa // 2 != pb // 2 or pa == pb or direction not in ("LT", "GT"):
         return None
     ascending = (pa < pb) == (direction == "LT")
-    return pa // 2, not ascending
+    total = "compare_type" in root.attrs and root.attrs["compare_type"].s == "TOTALORDER"
+    return pa // 2, not ascending, total
 
 
-def _sort_key(x: np.ndarray) -> np.ndarray:
+def _sort_key(x: np.ndarray, total: bool = True) -> np.ndarray:
     dt = x.dtype
     if dt.kind == "f" or dt == _BF16:
+        if not total:  # IEEE's order: -0 ties with +0 (NaN, unordered, goes anywhere)
+            x = np.where(x == 0, np.zeros((), dt), x)
         return total_order_key(x, dt)
     if dt == np.bool_:
         return x.astype(np.int8)
@@ -332,10 +337,10 @@ def _sort(ctx: KernelContext) -> KernelFn:
     if not shape:
         return lambda ops: pack([np.asarray(o) for o in ops])
     if fast is not None:
-        key_index, descending = fast
+        key_index, descending, total = fast
 
         def run_fast(ops: Sequence[Any]) -> Any:
-            key = _sort_key(np.asarray(ops[key_index]))
+            key = _sort_key(np.asarray(ops[key_index]), total)
             if descending:
                 key = np.invert(key)
             order = np.argsort(key, axis=dim, kind="stable")
