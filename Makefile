@@ -3,6 +3,9 @@
 #   make test   - the test suite
 #   make bench  - benchmarks (full sizes)
 #   make lint   - ruff
+#   make fuzz   - coverage-guided fuzzing (atheris) of each target in tests/fuzz/ for
+#                 FUZZ_SECONDS (default 120) each; new inputs go to FUZZ_SCRATCH, crash
+#                 reproducers to tests/fuzz/crashes/<target>/ (`make test` replays them)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +17,7 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 OPS_SRC   := $(wildcard ops/cc/ops/*.cc ops/cc/kernels/*.cc ops/cc/kernels/*.h)
 OPS_LIB   := ops/python/_ipu_ops.so
 
-.PHONY: all venv build protos ops test demo bench lint clean
+.PHONY: all venv build protos ops test demo bench lint fuzz clean
 
 all: build
 
@@ -54,6 +57,22 @@ bench: build
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+FUZZ_SECONDS ?= 120
+FUZZ_TARGETS ?= compile hlo onnx disk_cache framing
+FUZZ_SCRATCH ?= $(or $(TMPDIR),/tmp)/tf_ipu-fuzz
+
+# Each target searches from its committed seeds (tests/fuzz/corpus/<target>, read only) and
+# what earlier runs kept in the scratch folder; a crash, an INTERNAL-mapped error, a hang
+# (-timeout) or runaway memory (-rss_limit_mb) leaves its input in tests/fuzz/crashes/.
+fuzz: build
+	@status=0; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p $(FUZZ_SCRATCH)/$$t tests/fuzz/crashes/$$t; \
+	  echo "== fuzz $$t for $(FUZZ_SECONDS) s"; \
+	  $(PY) tests/fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_SECONDS) -timeout=30 \
+	    -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=tests/fuzz/crashes/$$t/ \
+	    $(FUZZ_SCRATCH)/$$t tests/fuzz/corpus/$$t || status=1; \
+	done; exit $$status
 
 clean:
 	rm -rf build dist *.egg-info $(OPS_LIB) device_server/protocol/*_pb2*.py device_server/protocol/*_pb2.pyi

@@ -46,6 +46,8 @@ DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 #: A reply's tensor larger than this goes as a blob even if it fits the message (chunks move
 #: faster, and do not hold up the calls queued behind one big message).
 INLINE_MAX_BYTES = 4 << 20
+#: Dimensions an array may have (numpy's limit).
+MAX_DIMS = 64
 #: Segments a session may have attached at once (the client grows by attaching a new one).
 MAX_SEGMENTS = 2
 
@@ -247,7 +249,7 @@ def tensor_value(data: SessionData, tensor: device_pb2.Tensor, what: str,
         dt, dims = _type_of(tensor, what)
         region = tensor.shm
         seg = data.segment(region.segment, what)
-        nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+        nbytes = _nbytes(dims, dt.itemsize)
         if region.nbytes != nbytes:
             raise ServiceError(
                 _INVALID,
@@ -278,7 +280,30 @@ def _type_of(tensor: device_pb2.Tensor, what: str) -> tuple[np.dtype, tuple[int,
     dims = tuple(int(d) for d in tensor.dims)
     if any(d < 0 for d in dims):
         raise ServiceError(_INVALID, f"{what}: negative dimension in dims={list(dims)}.")
+    if len(dims) > MAX_DIMS:
+        raise ServiceError(_INVALID, f"{what}: dims has {len(dims)} dimensions, more than the "
+                           f"{MAX_DIMS} an array may have.")
+    count = dt.itemsize
+    for d in dims:
+        count *= max(d, 1)  # numpy refuses a shape past this even with a 0 dimension
+        if count >= 1 << 63:
+            raise ServiceError(_INVALID, f"{what}: dims={list(dims)} describe an array of more "
+                               f"than 2**63 bytes (not counting its 0 dimensions).")
     return dt, dims
+
+
+def _nbytes(dims: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of an array of ``dims`` (non-negative), exact: numpy's int64 product wraps (a
+    tensor of [2**32, 2**32] would be 0 bytes). Past 2**63 it stops counting, as no int64
+    field can match it."""
+    if 0 in dims:
+        return 0
+    count = itemsize
+    for d in dims:
+        count *= d
+        if count >= 1 << 63:
+            break
+    return count
 
 
 class ReplyBudget:
@@ -330,7 +355,7 @@ def receive_blob(chunks: Iterator[device_pb2.BlobChunk], first: device_pb2.BlobC
     total = int(first.total_bytes)
     if first.dims or first.dtype:
         dt, dims = _type_of(first, "PutBlob")
-        if int(np.prod(dims, dtype=np.int64)) * dt.itemsize != total:
+        if _nbytes(dims, dt.itemsize) != total:
             raise ServiceError(
                 _INVALID, f"PutBlob: {dtypes.dtype_name(first.dtype)}{list(dims)} is not "
                 f"{total} bytes.")

@@ -243,6 +243,15 @@ class DataPath:
 
     def get_blob(self, blob_id: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """Streams a blob a reply named into a new array of ``dtype`` and ``shape``."""
+        what = f"GetBlob of {dtypes.dtype_name(dtypes.from_numpy(dtype))}{list(shape)[:8]}"
+        if len(shape) > 64 or any(d < 0 for d in shape):
+            raise errors.InternalError(f"{what}: the reply's dims are not an array's (negative, "
+                                       f"or more than 64).", self.client.address)
+        limit = self.client.session.max_session_bytes if self.client.session else 0
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if 0 < limit < nbytes:  # checked before allocating: the server holds no such array
+            raise errors.InternalError(f"{what}: {nbytes} bytes, more than the server's limit "
+                                       f"of {limit} bytes per session.", self.client.address)
         out = np.empty(shape, dtype)
         flat = out.reshape(-1).view(np.uint8)
         offset = held = 0

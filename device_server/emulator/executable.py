@@ -244,9 +244,11 @@ def executable_from_record(
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ValueError(f"'instruction_count' must be a count. Received: {count!r}")
     est = Estimate.from_dict(record.get("estimate"))
-    if (est.ipu_version, est.tiles_per_ipu) != (target.ipu_version, target.tiles_per_ipu):
-        raise ValueError(f"its estimate is for {est.ipu_version} with {est.tiles_per_ipu} tiles, "
-                         f"not {target.ipu_version} with {target.tiles_per_ipu}")
+    if (est.ipu_version, est.tiles_per_ipu, est.clock_hz) != (
+            target.ipu_version, target.tiles_per_ipu, target.clock_hz):
+        raise ValueError(f"its estimate is for {est.ipu_version} with {est.tiles_per_ipu} tiles "
+                         f"at {est.clock_hz!r} Hz, not {target.ipu_version} with "
+                         f"{target.tiles_per_ipu} at {target.clock_hz!r} Hz")
     if est.refused and not options.allow_out_of_memory:
         raise ValueError("its estimate does not fit, and the options do not allow that")
 

@@ -17,6 +17,7 @@ pass through unchanged; whether the device can run them is the emulator's decisi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -80,6 +81,18 @@ def _where(instr: hlo_pb2.HloInstructionProto) -> str:
     return f"{instr.opcode} instruction '{instr.name}' from TF op '{src}'{kind}"
 
 
+def _spelled(enum: Any, value: int) -> str:
+    """``value``'s name in the proto ``enum``, or ``#value`` for a number it does not name."""
+    return enum.Name(value) if value in enum.values() else f"#{value}"
+
+
+def _enum_name(h: hlo_pb2.HloInstructionProto, enum: Any, value: int, what: str) -> str:
+    """``value``'s name in the proto ``enum``; a number it does not name is refused."""
+    if value not in enum.values():
+        raise HloConversionError(f"{_where(h)}: {what} {value} is not one XLA defines.")
+    return enum.Name(value)
+
+
 # ----------------------------------------------------------------------------------- shapes
 
 
@@ -93,7 +106,7 @@ def _convert_shape(shape: xd.ShapeProto, what: Callable[[], str]) -> ir_pb2.Shap
     entry = _ELEMENT_TYPES.get(shape.element_type)
     if entry is None:
         raise HloConversionError(
-            f"{what()}: element type {xd.PrimitiveType.Name(shape.element_type)} is not "
+            f"{what()}: element type {_spelled(xd.PrimitiveType, shape.element_type)} is not "
             f"supported by the device IR."
         )
     out.dtype = entry[0]
@@ -279,11 +292,11 @@ def _precision(h: hlo_pb2.HloInstructionProto, a: _Attrs) -> None:
     pc = h.precision_config
     if pc.algorithm != 0:
         raise HloConversionError(
-            f"{_where(h)}: dot algorithm {xd.PrecisionConfig.Algorithm.Name(pc.algorithm)} is not "
+            f"{_where(h)}: dot algorithm {_spelled(xd.PrecisionConfig.Algorithm, pc.algorithm)} is not "
             f"supported (only the default algorithm)."
         )
     if pc.operand_precision:
-        a.strings("operand_precision", (xd.PrecisionConfig.Precision.Name(p) for p in pc.operand_precision))
+        a.strings("operand_precision", (_enum_name(h, xd.PrecisionConfig.Precision, p, "operand precision") for p in pc.operand_precision))
 
 
 def _result_accuracy(h: hlo_pb2.HloInstructionProto, a: _Attrs) -> None:
@@ -293,11 +306,11 @@ def _result_accuracy(h: hlo_pb2.HloInstructionProto, a: _Attrs) -> None:
 
 
 def _rng_algorithm(h: hlo_pb2.HloInstructionProto, a: _Attrs) -> None:
-    a.s("algorithm", xd.RandomAlgorithm.Name(h.rng_algorithm).removeprefix("RNG_").lower())
+    a.s("algorithm", _enum_name(h, xd.RandomAlgorithm, h.rng_algorithm, "rng algorithm").removeprefix("RNG_").lower())
 
 
 def _distribution(h: hlo_pb2.HloInstructionProto, a: _Attrs) -> None:
-    a.s("distribution", xd.RandomDistribution.Name(h.distribution).removeprefix("RNG_").lower())
+    a.s("distribution", _enum_name(h, xd.RandomDistribution, h.distribution, "distribution").removeprefix("RNG_").lower())
 
 
 def _triangular(h: hlo_pb2.HloInstructionProto, a: _Attrs) -> None:
@@ -305,7 +318,7 @@ def _triangular(h: hlo_pb2.HloInstructionProto, a: _Attrs) -> None:
     a.flag("left_side", t.left_side)
     a.flag("lower", t.lower)
     a.flag("unit_diagonal", t.unit_diagonal)
-    a.s("transpose_a", xd.TriangularSolveOptions.Transpose.Name(t.transpose_a))
+    a.s("transpose_a", _enum_name(h, xd.TriangularSolveOptions.Transpose, t.transpose_a, "transpose_a"))
 
 
 def _simple(field: str, attr: str, kind: str) -> Callable[[hlo_pb2.HloInstructionProto, _Attrs], None]:
@@ -337,7 +350,7 @@ _FIELD_CONVERTERS: dict[str, Callable[[hlo_pb2.HloInstructionProto, _Attrs], Non
     "feature_index": _simple("feature_index", "feature_index", "i"),
     "custom_call_target": _simple("custom_call_target", "custom_call_target", "s"),
     "dot_dimension_numbers": _dot_dims,
-    "fft_type": lambda h, a: a.s("fft_type", xd.FftType.Name(h.fft_type)),
+    "fft_type": lambda h, a: a.s("fft_type", _enum_name(h, xd.FftType, h.fft_type, "fft_type")),
     "fft_length": _simple("fft_length", "fft_length", "ints"),
     "comparison_direction": _simple("comparison_direction", "direction", "s"),
     "comparison_type": _simple("comparison_type", "compare_type", "s"),
@@ -506,7 +519,10 @@ def hlo_proto_to_ir(hlo: hlo_pb2.HloModuleProto) -> ir_pb2.Module:
             entry = comp
     if entry is None:
         raise HloConversionError(f"module '{hlo.name}': entry computation {entry_id} not found.")
-    root_shape = next(i.shape for i in entry.instructions if i.id == entry.root_id)
+    root_shape = next((i.shape for i in entry.instructions if i.id == entry.root_id), None)
+    if root_shape is None:
+        raise HloConversionError(f"module '{hlo.name}': the root {entry.root_id} of entry "
+                                 f"computation '{entry.name}' is not one of its instructions.")
     for e in hlo.input_output_alias.entries:
         if list(e.parameter_shape_index):
             raise HloConversionError(

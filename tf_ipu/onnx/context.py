@@ -85,6 +85,14 @@ class Ctx:
         raise self.refuse(f"its {what} (input {i}, {name!r}) must be computable from shapes and "
                           "initializers at load time; here it depends on run-time data")
 
+    def one_value(self, value: Any, what: str) -> Any:
+        """The single element of ``value`` (a scalar or a one-element tensor); anything else
+        is refused naming ``what``."""
+        flat = np.asarray(value).reshape(-1)
+        if flat.size != 1:
+            raise self.refuse(f"its {what} must hold one value, not {flat.size}")
+        return flat[0]
+
     def axis(self, axis: int, rank: int, what: str = "axis") -> int:
         if not -rank <= axis < max(rank, 1):
             raise self.refuse(f"{what} {axis} is out of range for rank {rank}")

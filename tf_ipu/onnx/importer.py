@@ -32,7 +32,7 @@ from tf_ipu.onnx import ops_elementwise as _ops_elementwise  # noqa: F401
 from tf_ipu.onnx import ops_nn as _ops_nn  # noqa: F401
 from tf_ipu.onnx import ops_tensor as _ops_tensor  # noqa: F401
 from tf_ipu.onnx.context import Ctx, NeedsInputValue  # noqa: F401  (NeedsInputValue: re-exported)
-from tf_ipu.onnx.errors import OnnxLoadError, UnsupportedOnnxError
+from tf_ipu.onnx.errors import OnnxError, OnnxLoadError, UnsupportedOnnxError
 from tf_ipu.onnx.ir_builder import Comp, ModuleBuilder, Val
 from tf_ipu.onnx.loader import ONNX_DOMAINS, default_opset
 from tf_ipu.onnx.registry import OPS
@@ -190,8 +190,15 @@ class Importer:
             if a.ref_attr_name:
                 raise ctx.refuse(f"attribute {a.name!r} refers to a function attribute; not supported")
         comp.source = (node.name or f"{node.op_type}:{node.output[0]}", node.op_type)
-        folded = fold.try_fold(ctx)
-        outs = folded if folded is not None else opdef.fn(ctx)
+        try:
+            folded = fold.try_fold(ctx)
+            outs = folded if folded is not None else opdef.fn(ctx)
+        except OnnxError:
+            raise
+        except ValueError as e:  # numpy's, e.g. inputs whose shapes do not broadcast
+            raise OnnxLoadError(f"ONNX {ctx.describe()}: its inputs do not fit the operator "
+                                f"(shapes {[list(v.shape) if v is not None else None for v in inputs]}): "
+                                f"{e}") from None
         self.op_types[node.op_type] = self.op_types.get(node.op_type, 0) + 1
         if len(outs) < len([o for o in node.output if o]):
             wanted = [o for o in node.output[len(outs):] if o]

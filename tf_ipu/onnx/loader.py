@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import onnx
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from tf_ipu.onnx.errors import OnnxLoadError
@@ -78,11 +79,18 @@ def prepare_model(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
         raise OnnxLoadError(
             f"ONNX model {what} uses opset {opset} of ai.onnx; the newest this build maps is "
             f"{MAX_OPSET} (onnx {onnx.__version__}).")
+    bad = _non_utf8_string(model)
+    if bad:
+        raise OnnxLoadError(f"ONNX model {what}: {bad} is not UTF-8 text (a malformed or "
+                            f"corrupted file?).")
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OnnxLoadError(f"ONNX model {what} does not pass onnx's checker: {first}") from None
+    except ValueError as e:  # onnx's C++ side parses the model again, more strictly
+        raise OnnxLoadError(f"ONNX model {what} is not a valid ModelProto (onnx's checker "
+                            f"cannot read it: {e}).") from None
     if opset < MIN_OPSET:
         try:
             model = onnx.version_converter.convert_version(model, MIN_OPSET)
@@ -91,3 +99,25 @@ def prepare_model(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
                 f"ONNX model {what} uses opset {opset}; converting it to opset {MIN_OPSET} "
                 f"with onnx's version converter failed: {e}") from None
     return model
+
+
+def _non_utf8_string(message: Any, path: str = "model") -> str:
+    """The path of the first string field of ``message`` that is not UTF-8 ("" if none):
+    ONNX's protos are proto2, whose parser lets such strings through (as bytes)."""
+    for field, value in message.ListFields():
+        if field.type == FieldDescriptor.TYPE_STRING:
+            items = value if field.is_repeated else [value]
+            for i, v in enumerate(items):
+                if isinstance(v, bytes):
+                    index = f"[{i}]" if field.is_repeated else ""
+                    return f"{path}.{field.name}{index}"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:
+                continue  # ONNX has no map fields
+            items = value if field.is_repeated else [value]
+            for i, v in enumerate(items):
+                index = f"[{i}]" if field.is_repeated else ""
+                found = _non_utf8_string(v, f"{path}.{field.name}{index}")
+                if found:
+                    return found
+    return ""

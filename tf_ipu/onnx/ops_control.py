@@ -25,7 +25,7 @@ def if_(ctx: Ctx) -> list[Val]:
     then_g, else_g = ctx.attrs["then_branch"].g, ctx.attrs["else_branch"].g
     env = ctx.imp.current_env
     if cond.const is not None:
-        graph = then_g if bool(np.asarray(cond.const).reshape(-1)[0]) else else_g
+        graph = then_g if bool(ctx.one_value(cond.const, "condition (input 0)")) else else_g
         inner = dict(env)
         ctx.imp.import_nodes(graph, ctx.comp, inner, ctx.opset)
         return [inner[o.name] for o in graph.output]
@@ -59,7 +59,7 @@ def loop(ctx: Ctx) -> list[Val]:
     n_scan = len(body.output) - 1 - n_carried
     if n_scan < 0:
         raise ctx.refuse("the body has fewer outputs than loop-carried values")
-    trip_count = None if trip is None or trip.const is None else int(np.asarray(trip.const).reshape(-1)[0])
+    trip_count = None if trip is None or trip.const is None else int(ctx.one_value(trip.const, "trip count (input 0)"))
     if n_scan and (trip_count is None or cond is not None):
         raise ctx.refuse("scan outputs need a trip count known at load and no condition input "
                          "(their length must be static)")

@@ -127,7 +127,7 @@ def identity(ctx: Ctx) -> list[Val]:
     x = ctx.input(0)
     if ctx.node.op_type == "Dropout":
         training = ctx.const(2, "training_mode")
-        if training is not None and bool(np.asarray(training).reshape(-1)[0]):
+        if training is not None and bool(ctx.one_value(training, "training_mode (input 2)")):
             raise ctx.refuse("training_mode=True (random dropout) is not supported")
         if len(ctx.node.output) > 1 and ctx.node.output[1]:
             return [x, ctx.comp.scalar(True, np.bool_, x.shape)]

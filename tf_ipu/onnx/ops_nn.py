@@ -22,6 +22,9 @@ def _spatial(ctx: Ctx, x: Val, kernel: list[int]) -> tuple[list[int], list[int],
     strides = list(ctx.attr("strides", [1] * n))
     dil = list(ctx.attr("dilations", [1] * n))
     pads = list(ctx.attr("pads", [0] * (2 * n)))
+    if min([*kernel, *strides, *dil], default=1) < 1:
+        raise ctx.refuse(f"kernel_shape {kernel}, strides {strides} and dilations {dil} must be "
+                         f">= 1")
     auto = ctx.attr("auto_pad", "NOTSET")
     lo, hi = pads[:n], pads[n:]
     if auto in ("SAME_UPPER", "SAME_LOWER"):
@@ -57,6 +60,9 @@ def conv(ctx: Ctx) -> list[Val]:
     c = ctx.comp
     if not dtypes.is_float(x.dtype):
         raise ctx.refuse(f"input of type {x.dtype}")
+    if x.rank < 3 or w.rank != x.rank:
+        raise ctx.refuse(f"input {list(x.shape)} and weights {list(w.shape)} must have one rank, "
+                         f"3 or more (batch, channels, spatial dimensions)")
     if w.dtype != x.dtype:
         w = c.convert(w, x.dtype)
     n = x.rank - 2
@@ -266,6 +272,9 @@ def matmul(ctx: Ctx) -> list[Val]:
     c = ctx.comp
     if b.dtype != a.dtype:
         raise ctx.refuse(f"inputs of different types {a.dtype}, {b.dtype}")
+    if a.rank == 0 or b.rank == 0:
+        raise ctx.refuse(f"shapes {list(a.shape)} and {list(b.shape)}: scalars do not multiply "
+                         "as matrices (rank >= 1)")
     a2 = c.reshape(a, [1, a.shape[0]]) if a.rank == 1 else a
     b2 = c.reshape(b, [b.shape[0], 1]) if b.rank == 1 else b
     if a2.shape[-1] != b2.shape[-2]:

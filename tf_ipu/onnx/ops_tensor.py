@@ -52,10 +52,15 @@ def constant_of_shape(ctx: Ctx) -> list[Val]:
     value = np.zeros([1], np.float32) if value is None else np.asarray(value)
     if ctx.imp.precision == "fp16" and value.dtype == np.float32:
         value = value.astype(np.float16)
-    return [ctx.comp.scalar(value.reshape(-1)[0], value.dtype, dims)]
+    return [ctx.comp.scalar(ctx.one_value(value, "value attribute"), value.dtype, dims)]
 
 
 def _reshape_dims(ctx: Ctx, x: Val, target: list[int], allowzero: bool) -> list[int]:
+    if any(d < -1 for d in target):
+        raise ctx.refuse(f"shape {target} has a dimension below -1")
+    if not allowzero and any(d == 0 and i >= x.rank for i, d in enumerate(target)):
+        raise ctx.refuse(f"shape {target} copies (0) a dimension the input {list(x.shape)} "
+                         "does not have")
     dims = [x.shape[i] if d == 0 and not allowzero else d for i, d in enumerate(target)]
     if dims.count(-1) > 1:
         raise ctx.refuse(f"shape {target} has more than one -1")
@@ -132,6 +137,8 @@ def unsqueeze(ctx: Ctx) -> list[Val]:
 @register("Concat", attrs=("axis",))
 def concat(ctx: Ctx) -> list[Val]:
     vals = [v for v in ctx.inputs if v is not None]
+    if not vals or vals[0].rank == 0:
+        raise ctx.refuse("it needs inputs of rank >= 1 (scalars do not concatenate)")
     axis = ctx.axis(ctx.attr("axis", 1 if ctx.opset < 4 else None) or 0, vals[0].rank)
     if len({v.dtype for v in vals}) > 1:
         raise ctx.refuse("inputs of different types")
@@ -223,6 +230,8 @@ def _normalized_indices(ctx: Ctx, idx: Val, dim: int | Val) -> Val:
 @register("Gather", attrs=("axis",))
 def gather(ctx: Ctx) -> list[Val]:
     x, idx = ctx.input(0), ctx.input(1)
+    if x.rank == 0:
+        raise ctx.refuse("its data (input 0) is a scalar; it must have rank >= 1")
     axis = ctx.axis(ctx.attr("axis", 0), x.rank)
     if idx.dtype.kind not in "iu":
         raise ctx.refuse(f"indices of type {idx.dtype}")
@@ -240,6 +249,8 @@ def gather(ctx: Ctx) -> list[Val]:
 @register("GatherElements", attrs=("axis",))
 def gather_elements(ctx: Ctx) -> list[Val]:
     x, idx = ctx.input(0), ctx.input(1)
+    if x.rank == 0:
+        raise ctx.refuse("its data (input 0) is a scalar; it must have rank >= 1")
     c = ctx.comp
     axis = ctx.axis(ctx.attr("axis", 0), x.rank)
     if idx.rank != x.rank:
