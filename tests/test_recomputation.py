@@ -38,7 +38,6 @@ def _conv_stack(checkpoints: bool, stages: int = 1, convs: int = 8):
 
     import tf_ipu
 
-    schedule, mode = _modes()
     per = convs // stages
     with tf_ipu.IPUStrategy().scope():
         x = inp = keras.Input((32, 32, 16))
@@ -50,15 +49,27 @@ def _conv_stack(checkpoints: bool, stages: int = 1, convs: int = 8):
                     if checkpoints and i % 2 == 1 and i < 7:
                         x = RecomputationCheckpoint()(x)
                 if stage == stages - 1:
-                    x = keras.layers.GlobalAveragePooling2D()(x)
-                    x = keras.layers.Dense(10)(x)
-        model = keras.Model(inp, x)
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.set_pipelining_options(
-            gradient_accumulation_steps_per_replica=4, device_mapping=[0] * stages,
-            pipeline_schedule=schedule.Sequential if stages > 1 else schedule.Grouped,
-            recomputation_mode=mode.RecomputeAndBackpropagateInterleaved)
+                    x = _head(keras, x)
+        return _one_ipu_pipeline(keras.Model(inp, x), stages)
+
+
+def _head(keras, x):
+    """Global average pooling and a 10-class Dense: the stacks' last layers."""
+    return keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x))
+
+
+def _one_ipu_pipeline(model, stages: int):
+    """``model`` compiled (SGD, logits) as a pipeline of ``stages`` stages on IPU 0: 4
+    micro-batches per update, Sequential (Grouped for one stage),
+    RecomputeAndBackpropagateInterleaved. Call within the IPUStrategy's scope."""
+    import keras
+
+    schedule, mode = _modes()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.set_pipelining_options(
+        gradient_accumulation_steps_per_replica=4, device_mapping=[0] * stages,
+        pipeline_schedule=schedule.Sequential if stages > 1 else schedule.Grouped,
+        recomputation_mode=mode.RecomputeAndBackpropagateInterleaved)
     return model
 
 
@@ -164,7 +175,6 @@ def _bn_stack(checkpoints: bool, convs: int = 8, half: bool = False, size: int =
     import tf_ipu
     from tf_ipu.models import HalfBatchNormalization
 
-    schedule, mode = _modes()
     norm = HalfBatchNormalization if half else keras.layers.BatchNormalization
     with tf_ipu.IPUStrategy().scope():
         x = inp = keras.Input((size, size, 16))
@@ -175,16 +185,8 @@ def _bn_stack(checkpoints: bool, convs: int = 8, half: bool = False, size: int =
                 x = keras.layers.ReLU(name=f"relu{i}")(x)
                 if checkpoints and i % 2 == 1 and i < convs - 1:
                     x = RecomputationCheckpoint()(x)
-            x = keras.layers.GlobalAveragePooling2D()(x)
-            x = keras.layers.Dense(10)(x)
-        model = keras.Model(inp, x)
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.set_pipelining_options(
-            gradient_accumulation_steps_per_replica=4, device_mapping=[0],
-            pipeline_schedule=schedule.Grouped,
-            recomputation_mode=mode.RecomputeAndBackpropagateInterleaved)
-    return model
+            x = _head(keras, x)
+        return _one_ipu_pipeline(keras.Model(inp, x), 1)
 
 
 def test_work_that_reads_no_gradient_does_not_remake_a_segment_early(tf) -> None:
