@@ -1,6 +1,7 @@
 # tf_ipu: every target sets itself up (venv, install, op library, protocol stubs).
 #   make demo   - train a small Keras CNN on an emulated IPU and print the estimates
 #   make test   - the test suite
+#   make test-isa-capped - the test suite with the host's instruction set capped (no AVX512)
 #   make bench  - benchmarks (full sizes)
 #   make lint   - ruff
 #   make fuzz   - coverage-guided fuzzing (atheris) of each target in tests/fuzz/ for
@@ -17,7 +18,7 @@ PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 OPS_SRC   := $(wildcard ops/cc/ops/*.cc ops/cc/kernels/*.cc ops/cc/kernels/*.h)
 OPS_LIB   := ops/python/_ipu_ops.so
 
-.PHONY: all venv build protos ops test demo bench lint fuzz clean
+.PHONY: all venv build protos ops test test-isa-capped demo bench lint fuzz clean
 
 all: build
 
@@ -48,6 +49,10 @@ build: protos ops $(VENV)/.dev-installed
 
 test: build
 	$(PY) -m pytest -q tests
+
+# The suite as on a CPU without AVX512: XLA at AVX2, numpy's AVX512 kernels off, numba generic.
+test-isa-capped: build
+	$(PY) tests/isa_caps.py $(PY) -m pytest -q tests
 
 demo: build
 	$(PY) examples/demo.py

@@ -33,4 +33,5 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
     return [{"requests": report.requests, "seconds": round(report.seconds, 1), "seed": SEED,
              "crashes": report.crashes, "internal": sum(report.internal.values()),
              "internal_messages": dict(report.internal), "statuses": dict(report.statuses),
-             "methods": dict(report.by_method), "failure": report.failure}]
+             "methods": dict(report.by_method), "slow": dict(report.slow),
+             "server_peak_rss_bytes": report.server_peak_rss, "failure": report.failure}]

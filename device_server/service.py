@@ -74,6 +74,7 @@ from device_server.emulator import (
 from device_server.emulator.cancel import running
 from device_server.emulator.kernels.infeed import InfeedEnded
 from device_server.emulator.replicas import run_replicated
+from device_server.emulator.tiles.pipeline import MAX_PIPELINE_STAGES
 from device_server.executable_cache import ExecutableCache, cache_key
 from device_server.protocol import device_pb2, dtypes, hardware, ir_pb2, shm
 from device_server.protocol.chunks import parse_chunk
@@ -1608,6 +1609,11 @@ def _pipeline_options(options: device_pb2.CompileOptions, module_name: str) -> d
     if stages <= 1 and not options.stage_ipus:
         return {}
     where = f"Compile of module {module_name!r}"
+    if stages > MAX_PIPELINE_STAGES or len(options.stage_ipus) > MAX_PIPELINE_STAGES:
+        raise ServiceError(_INVALID, f"{where}: CompileOptions.pipeline_stages must be at most "
+                           f"{MAX_PIPELINE_STAGES} (stage_ipus as many). Received: "
+                           f"pipeline_stages={stages}, {len(options.stage_ipus)} stage_ipus.",
+                           kind="invalid-options")
     stage_ipus = tuple(int(i) for i in options.stage_ipus) or tuple(range(stages))
     if len(stage_ipus) != stages:
         raise ServiceError(_INVALID, f"{where}: stage_ipus {list(stage_ipus)} names {len(stage_ipus)} "

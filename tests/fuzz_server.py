@@ -343,6 +343,8 @@ class Report:
     statuses: Counter = field(default_factory=Counter)
     by_method: Counter = field(default_factory=Counter)
     internal: Counter = field(default_factory=Counter)
+    slow: Counter = field(default_factory=Counter)  # mutants not answered within CALL_TIMEOUT
+    server_peak_rss: int = 0  # bytes (VmHWM), when the campaign started the server itself
     checks: int = 0
     healthy_steps: int = 0
     fuzz_session_remakes: int = 0
@@ -362,6 +364,11 @@ class Report:
             "  statuses: " + ", ".join(f"{k} {v}" for k, v in self.statuses.most_common()),
             "  methods: " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_method.items())),
         ]
+        if self.server_peak_rss:
+            lines.append(f"  server peak resident memory: {self.server_peak_rss / 2**20:,.0f} MiB")
+        if self.slow:
+            lines.append(f"  not answered within {CALL_TIMEOUT:.0f} s: "
+                         + ", ".join(f"{k} {v}" for k, v in self.slow.most_common()))
         if self.internal:
             lines.append(f"  INTERNAL ({sum(self.internal.values())}, distinct {len(self.internal)}):")
             lines += [f"    {n} x {msg}" for msg, n in self.internal.most_common(20)]
@@ -420,6 +427,11 @@ def campaign(address: str, requests: int, seconds: float, seed: int,
             report.requests += 1
             report.statuses[status] += 1
             report.by_method[method] += 1
+            if status == "DEADLINE_EXCEEDED":  # the server took > CALL_TIMEOUT over it
+                report.slow[method] += 1
+                if save:
+                    Path(save).mkdir(parents=True, exist_ok=True)
+                    (Path(save) / f"slow-{method}-{report.requests}.bin").write_bytes(data)
             if status == "INTERNAL":
                 report.internal[f"{method}: {details[:160]}"] += 1
                 if save:
@@ -446,6 +458,17 @@ def campaign(address: str, requests: int, seconds: float, seed: int,
     return report
 
 
+def _peak_rss(pid: int) -> int:
+    """A process's peak resident memory in bytes (Linux's VmHWM), or 0."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(description="Fuzz a tf_ipu device server.")
     p.add_argument("--requests", type=int, default=10_000, help="mutants to send (default 10000)")
@@ -454,7 +477,8 @@ def main(argv: list[str] | None = None) -> Report:
     p.add_argument("--address", default="", help="fuzz this server instead of starting one")
     p.add_argument("--progress", action="store_true", help="print progress to stderr")
     p.add_argument("--save-internal", default="", metavar="DIR",
-                   help="write the mutants answered with INTERNAL to this folder")
+                   help="write the mutants answered with INTERNAL, or not answered in time, "
+                        "to this folder")
     args = p.parse_args(argv)
     server = None
     if args.address:
@@ -471,6 +495,7 @@ def main(argv: list[str] | None = None) -> Report:
     finally:
         if server is not None:
             if server.alive():
+                report.server_peak_rss = _peak_rss(server.process.pid)
                 server.stop()
             else:
                 report.crashes = max(report.crashes, 1)

@@ -203,14 +203,11 @@ def _child(programs_path: Path, env: dict[str, str], tag: str) -> tuple[dict[str
 
 
 def _caps() -> dict[str, str]:
-    """The instruction-set caps: numpy's AVX512 dispatch targets (whatever this numpy calls
-    them: X86_V4, AVX512_ICL, AVX512_SPR in numpy 2.4; AVX512F, AVX512_SKX, ... before),
-    numba's generic CPU, XLA's AVX2."""
-    from numpy._core._multiarray_umath import __cpu_dispatch__
+    """The instruction-set caps (tests/isa_caps.py, which ``make test-isa-capped`` runs the
+    suite under)."""
+    from isa_caps import caps
 
-    avx512 = [d for d in __cpu_dispatch__ if d == "X86_V4" or d.startswith("AVX512")]
-    return {"NPY_DISABLE_CPU_FEATURES": " ".join(avx512), "NUMBA_CPU_NAME": "generic",
-            "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}
+    return caps()
 
 
 def test_emulator_results_do_not_depend_on_the_instruction_set(programs) -> None:

@@ -76,6 +76,11 @@ __all__ = ["PIPELINE_ASSUMPTIONS", "SCHEDULES", "Placement", "estimate_pipeline"
            "phases", "placement", "recomputed_instructions", "slots", "stage_groups"]
 
 SCHEDULES = ("grouped", "interleaved", "sequential")
+# Bounds on what a pipeline's timeline lays out (one entry per stage pass): far above any
+# published configuration (MLPerf BERT: 4 stages x a few thousand micro-batches a step), and
+# low enough that a request cannot make the planner allocate gigabytes.
+MAX_PIPELINE_STAGES = 1024
+MAX_STAGE_PASSES = 1 << 22   # pipeline_stages x micro_batches
 
 PIPELINE_ASSUMPTIONS = (
     "pipeline: each stage on its IPU; one micro-batch's program planned once, each "
@@ -176,6 +181,14 @@ def placement(stages: int, stage_ipus: Iterable[int], ipus_per_replica: int, rep
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "ipus_per_replica" else 1):
             raise ValueError(f"{name} must be an int >= {0 if name == 'ipus_per_replica' else 1}. "
                              f"Received: {name}={v!r}")
+    if stages > MAX_PIPELINE_STAGES:
+        raise ValueError(f"pipeline_stages must be at most {MAX_PIPELINE_STAGES}. Received: "
+                         f"pipeline_stages={stages}")
+    if stages * micro_batches > MAX_STAGE_PASSES:
+        raise ValueError(
+            f"pipeline_stages x micro_batches must be at most {MAX_STAGE_PASSES:,} (the passes "
+            f"of one weight update the timeline lays out). Received: {stages} x "
+            f"{micro_batches:,} = {stages * micro_batches:,}")
     mapping = tuple(int(i) for i in stage_ipus or ()) or tuple(range(stages))
     if len(mapping) != stages:
         raise ValueError(f"stage_ipus (device_mapping) must name one IPU per pipeline stage: "
