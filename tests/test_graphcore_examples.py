@@ -1504,7 +1504,11 @@ def example_recompilation(run: Run) -> None:
 def example_neural_image_fields(run: Run) -> None:
     """graphcore/examples code_examples/tensorflow2/neural_image_fields/train_nif.py with
     strategy_utils.py's get_train_strategy: the ReLU MLP (input concatenated half-way) on
-    positionally encoded coordinates, Huber loss, Adam, a ModelCheckpoint callback; the config
+    positionally encoded coordinates, Huber loss, ``AdamIpuOptimizer`` with its state kept in
+    float32 (as the script's later revision makes it: ``from ipu_tensorflow_addons.keras.optimizers
+    import AdamIpuOptimizer``; its first revision used Keras's Adam), a ModelCheckpoint
+    callback; the CPU reference trains with the same optimizer, as the script's ``--no-ipu``
+    does; the config
     with stochastic rounding, fast math, remote buffers, ON_DEMAND and reset_ipu_seed(101);
     then predictions. The image is made up; left out: the example's EvalCallback (PSNR in
     another process) and its TensorBoard callback (TensorBoard is not installed here). Its
@@ -1512,6 +1516,7 @@ def example_neural_image_fields(run: Run) -> None:
     dtype=tf.float32)`` is made (the two optimizer-wrapper options are named once: Keras's
     own accumulation is used)."""
     import tensorflow as tf
+    from ipu_tensorflow_addons.keras.optimizers import AdamIpuOptimizer
     from tensorflow import keras
     from tensorflow.python import ipu
 
@@ -1565,8 +1570,10 @@ def example_neural_image_fields(run: Run) -> None:
                 gradient_accumulation_steps_per_replica=1,
                 experimental_normalize_gradients=True, dtype=tf.float32)
         model.summary(print_fn=lambda *a, **k: None)
-        model.compile(loss=loss_fn, optimizer=keras.optimizers.Adam(learning_rate=0.001),
-                      steps_per_execution=steps_per_exec)
+        # The script keeps Adam's state in float32 (the master weights might be float16).
+        opt = AdamIpuOptimizer(learning_rate=0.001, m_dtype="float32", v_dtype="float32",
+                               vhat_dtype="float32")
+        model.compile(loss=loss_fn, optimizer=opt, steps_per_execution=steps_per_exec)
         history = model.fit(dataset(), steps_per_epoch=steps_per_epoch, epochs=2, verbose=0,
                             callbacks=callbacks)
         return model, history.history["loss"]

@@ -3,15 +3,19 @@
     from tensorflow.python import ipu           -> this package (installed by ``import tf_ipu``)
       ipu.config.IPUConfig                      -> tf_ipu.IPUConfig
       ipu.ipu_strategy.IPUStrategy              -> tf_ipu.IPUStrategy
-      ipu.utils.reset_ipu_seed(...)             -> seeds of this process (utils.py)
+      ipu.utils.reset_ipu_seed(...)             -> seeds of this process (utils.py);
+        ipu.utils.IPUConfig is ipu.config.IPUConfig (SDK 3 examples' spelling)
       ipu.ipu_infeed_queue / ipu_outfeed_queue  -> infeeds and outfeeds (tf_ipu.feeds)
       ipu.loops.repeat / while_loop             -> device loops over an infeed (loops.py)
       ipu.serving.export_keras / export_single_step -> SavedModels for serving (tf_ipu.serving)
       ipu.ops.pipelining_ops.PipelineSchedule   -> pipelining's names (tf_ipu.pipelining);
         also ipu.pipelining_ops, with recomputation_checkpoint
+      ipu.ops.cross_replica_ops.cross_replica_sum -> all-reduces across replicas (also
+        ipu.cross_replica_ops; cross_replica_mean, assume_equal_across_replicas)
     import keras; keras.ipu                     -> keras_ipu/ (also via ``from tensorflow import keras``)
     ipu.keras.PipelineStage (SDK 2's spelling)   -> keras_ipu/ too
     ipu_tensorflow_addons.keras.layers          -> addons/ (Graphcore's IPU Keras layers)
+    ipu_tensorflow_addons.keras.optimizers      -> addons/ (Adam, LAMB, SGD IPU optimizers)
 
 ``install()`` registers the package as ``tensorflow.python.ipu`` (and its modules under their
 Graphcore names) in ``sys.modules`` and on the ``tensorflow.python`` package, unless Graphcore's
@@ -42,14 +46,18 @@ from tf_ipu.graphcore import (
 #: is ``keras.ipu``.
 keras = keras_ipu
 
-#: ``ipu.pipelining_ops`` (Graphcore's ``ipu`` package imports ``ops.pipelining_ops`` by name).
+#: ``ipu.pipelining_ops`` and ``ipu.cross_replica_ops`` (Graphcore's ``ipu`` package imports
+#: them from ``ops`` by name).
 pipelining_ops = ops.pipelining_ops
+cross_replica_ops = ops.cross_replica_ops
 
 #: Graphcore's module names under ``tensorflow.python.ipu``, and ours.
 MODULES = {"config": config, "ipu_strategy": ipu_strategy, "utils": utils,
            "ipu_infeed_queue": ipu_infeed_queue, "ipu_outfeed_queue": ipu_outfeed_queue,
            "loops": loops, "serving": serving, "ops": ops,
-           "ops.pipelining_ops": ops.pipelining_ops, "keras": keras_ipu}
+           "ops.pipelining_ops": ops.pipelining_ops, "keras": keras_ipu,
+           "cross_replica_ops": ops.cross_replica_ops,
+           "ops.cross_replica_ops": ops.cross_replica_ops}
 PACKAGE = "tensorflow.python.ipu"
 
 
@@ -93,6 +101,6 @@ def _install_keras_ipu() -> None:
         sys.modules[f"{name}.ipu.optimizers.als_optimizer"] = keras_ipu.optimizers.als_optimizer
 
 
-__all__ = ["MODULES", "PACKAGE", "addons", "config", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
+__all__ = ["MODULES", "PACKAGE", "addons", "config", "cross_replica_ops", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
            "keras",
            "ipu_strategy", "keras_ipu", "loops", "ops", "pipelining_ops", "serving", "utils"]

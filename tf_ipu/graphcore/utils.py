@@ -3,8 +3,9 @@
 - ``move_variable_initialization_to_cpu()``: variables of this project are always created and
   initialized on the host (their newest values move to the device with the first call), so
   there is nothing to move; it returns at once.
-- ``DeviceConnectionType`` and ``configure_ipu_system(cfg)``: the older spellings of
-  ``ipu.config``'s, which ported code still reaches through ``ipu.utils``.
+- ``IPUConfig``, ``DeviceConnectionType`` and ``configure_ipu_system(cfg)``: ``ipu.config``'s
+  (the same class, enum and function), which ported code still reaches through ``ipu.utils``
+  (``cfg = ipu.utils.IPUConfig()`` in Graphcore's SDK 3 examples).
 - ``reset_ipu_seed(seed)``: seeds the random numbers of this process (Python's, numpy's,
   TensorFlow's and Keras's global seed), so that a model built after it draws the same
   weights and the same dropout masks as any other built after the same call.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tf_ipu.config import DeviceConnectionType
+from tf_ipu.config import DeviceConnectionType, IPUConfig
 from tf_ipu.graphcore.config import configure_ipu_system
 
 
@@ -31,5 +32,5 @@ def reset_ipu_seed(seed: int, device: str = "/device:IPU:0", cpu_seed: int | Non
     keras.utils.set_random_seed(int(seed if cpu_seed is None else cpu_seed))
 
 
-__all__ = ["DeviceConnectionType", "configure_ipu_system", "move_variable_initialization_to_cpu",
+__all__ = ["DeviceConnectionType", "IPUConfig", "configure_ipu_system", "move_variable_initialization_to_cpu",
            "reset_ipu_seed"]

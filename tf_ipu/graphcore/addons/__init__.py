@@ -5,6 +5,8 @@ code keeps ``from ipu_tensorflow_addons.keras import layers``.
       .keras.layers.Embedding, LSTM, GRU, ...    -> Keras 3 layers with Graphcore's arguments
         (tf_ipu/graphcore/addons/keras/layers/)   that lower to XLA: they run on CPU as Keras
                                                   and under tf_ipu.IPUStrategy on the device
+      .keras.optimizers.AdamIpuOptimizer, ...    -> Keras 3 optimizers with Graphcore's state
+        (tf_ipu/graphcore/addons/keras/optimizers/) dtypes and compute precisions
 
 Graphcore's layers called PopLibs kernels (fused LSTM/GRU, poprand dropout, popnn group norm,
 serialized matmuls). Here each is the Keras layer computing the same values (the LSTM and GRU
@@ -28,16 +30,19 @@ PACKAGE = "ipu_tensorflow_addons"
 def _modules() -> dict[str, ModuleType]:
     """Graphcore's module names and the modules of this package that stand for them."""
     here = sys.modules[__name__]
-    names = {PACKAGE: here, f"{PACKAGE}.keras": keras, f"{PACKAGE}.keras.layers": keras.layers}
+    names = {PACKAGE: here, f"{PACKAGE}.keras": keras, f"{PACKAGE}.keras.layers": keras.layers,
+             f"{PACKAGE}.keras.optimizers": keras.optimizers}
     for name, module in keras.layers.MODULES.items():
         names[f"{PACKAGE}.keras.layers.{name}"] = module
+    for name, module in keras.optimizers.MODULES.items():
+        names[f"{PACKAGE}.keras.optimizers.{name}"] = module
     return names
 
 
 def install() -> bool:
-    """Makes ``import ipu_tensorflow_addons`` (and its ``keras.layers`` modules) resolve to this
-    package. Returns False, changing nothing, if another ``ipu_tensorflow_addons`` is imported
-    or installed (Graphcore's own wheel, with Graphcore's TensorFlow); True otherwise. Calling
+    """Makes ``import ipu_tensorflow_addons`` (and its ``keras.layers`` and
+    ``keras.optimizers`` modules) resolve to this package. Returns False, changing nothing, if
+    another ``ipu_tensorflow_addons`` is imported or installed (Graphcore's own wheel, with Graphcore's TensorFlow); True otherwise. Calling
     it again is harmless.
 
     Example:

@@ -1,6 +1,6 @@
-"""``ipu_tensorflow_addons.keras``: only ``layers`` is here (Graphcore's ``optimizers`` and
-``experimental`` are not)."""
+"""``ipu_tensorflow_addons.keras``: Graphcore's IPU Keras ``layers`` and ``optimizers`` (its
+``experimental`` is not here)."""
 
-from tf_ipu.graphcore.addons.keras import layers
+from tf_ipu.graphcore.addons.keras import layers, optimizers
 
-__all__ = ["layers"]
+__all__ = ["layers", "optimizers"]

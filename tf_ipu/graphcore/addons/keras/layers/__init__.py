@@ -10,7 +10,7 @@
     SerialDense                   keras.layers.Dense, its matmul split into pieces
     Dense                         keras.layers.Dense (Graphcore's FP8 arguments accepted)
     RecomputationCheckpoint       identity (no recomputation here)
-    AssumeEqualAcrossReplicas     identity (one replica per device call)
+    AssumeEqualAcrossReplicas     identity (the emulator needs no mark)
 
 Not here (an ``ImportError``/``AttributeError``, never a placeholder): ``CTCLoss``,
 ``CTCInferenceLayer``, ``CTCPredictionsLayer``, ``EffectiveTransformer``, ``ConvertToF8`` and

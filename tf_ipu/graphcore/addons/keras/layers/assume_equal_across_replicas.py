@@ -3,9 +3,11 @@
 On an IPU the layer tells Poplar that a value is the same on every replica, so that a
 conditional on it is not rejected as divergent control flow (replicas taking different
 branches and waiting forever at a cross-replica sync inside one of them). Its outputs are its
-inputs. Device calls here run one replica, on which any value is trivially equal across
-replicas, so the identity is exact. ``inplace`` (copy the tensor or mark it in place) changes
-no value; it is kept in the config.
+inputs. The emulator runs replicas without that compile-time check (a collective that only
+some replicas reach is reported when it happens), so there is nothing to mark and the identity
+is exact, replicated or not (``ipu.cross_replica_ops.assume_equal_across_replicas`` is the
+same for tensors). ``inplace`` (copy the tensor or mark it in place) changes no value; it is
+kept in the config.
 """
 
 from __future__ import annotations
