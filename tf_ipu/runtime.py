@@ -81,6 +81,18 @@ class ProgramEntry:
     replicas: int = 1
     # A pipelined program's stages (the signature's "pipeline", tf_ipu.pipelining.plan).
     pipeline: dict[str, Any] | None = None
+    # The IPUs it runs on (program_ipus): attached for it when the runtime configured itself.
+    ipus: int = 1
+
+
+def program_ipus(signature: dict[str, Any]) -> int:
+    """The IPUs a program of this (parsed) signature needs: its replicas times the IPUs one
+    replica spans (a pipeline's ``ipus_per_replica``), or the count an export recorded
+    (``"ipus"``, tf_ipu.serving), whichever is more."""
+    pipeline = signature.get("pipeline") or {}
+    derived = max(1, int(signature.get("replicas", 1) or 1)) * max(
+        1, int(pipeline.get("ipus_per_replica", 1) or 1))
+    return max(derived, int(signature.get("ipus", 1) or 1))
 
 
 @dataclass
@@ -108,6 +120,16 @@ class CompileReport:
         return int(self.details.get("replicas", 1) or 1)
 
     @property
+    def stages(self) -> int:
+        """Pipeline stages of the program (1: not pipelined)."""
+        return int(self.details.get("pipeline_stages", 1) or 1)
+
+    @property
+    def ipus(self) -> int:
+        """The IPUs the program runs on: its replicas x the IPUs one replica spans."""
+        return self.replicas * int(self.details.get("ipus_per_replica", 1) or 1)
+
+    @property
     def all_reduce_share(self) -> float:
         """The replicas' all-reduces' share of the call's estimated time (0 for one)."""
         cycles = float(self.details.get("cycles", 0) or 0)
@@ -115,10 +137,13 @@ class CompileReport:
 
     def summary(self) -> str:
         replicated = ""
+        if self.stages > 1:
+            replicated = (f" as a pipeline of {self.stages} stages on IPUs "
+                          f"{self.details.get('stage_ipus')} ({self.ipus} IPUs)")
         if self.replicas > 1:
-            replicated = (f" x {self.replicas} replicas on "
-                          f"{self.details.get('system') or 'plain IPUs'}, all-reduce "
-                          f"{self.all_reduce_share:.1%} of the call; memory per IPU")
+            replicated += (f" x {self.replicas} replicas on "
+                           f"{self.details.get('system') or 'plain IPUs'}, all-reduce "
+                           f"{self.all_reduce_share:.1%} of the call; memory per IPU")
         return (
             f"{self.name} [{self.digest}] on {self.ipu_version} ({self.tiles_per_ipu} tiles)"
             f"{replicated}: "
@@ -178,6 +203,9 @@ class DeviceRuntime:
         self._told_args: list[list[str]] = []  # other arguments a configuration asked for
         self._config_key: tuple | None = None
         self._config: Any = None
+        # The configuration this runtime made itself (no configure_ipu_system() call): it
+        # attaches more IPUs when a program needs them (_attach_for).
+        self._default_config: Any = None
         self._programs: list[ProgramEntry] = []
         self._by_digest: dict[str, int] = {}
         self._refs: dict[str, VariableRef] = {}  # variable key -> its binding, made once
@@ -208,18 +236,14 @@ class DeviceRuntime:
         """How many replicas a device program runs as: one per IPU the configuration asks
         for (``select_ipus`` or ``auto_select_ipus``), as Graphcore derives it for a model
         on one IPU (pipelined models, whose replica spans several IPUs, come with issue 14).
-        Configures the system first if it is not."""
+        Configures the system first if it is not. Without a configuration from the user, 1
+        (IPUs attached for a loaded program that needs more, ``_attach_for``, are its own)."""
         if self._config is None:
             self.ensure_configured()
         cfg = self._config
-        if cfg is None:
+        if cfg is None or cfg is self._default_config:
             return 1
-        if cfg.select_ipus:
-            return max(1, len(cfg.select_ipus))
-        count = cfg.auto_select_ipus
-        if isinstance(count, (list, tuple)):
-            count = count[0] if count else 1
-        return max(1, int(count))
+        return _ipus_of(cfg)
 
     @property
     def client(self) -> DeviceClient:
@@ -367,8 +391,41 @@ class DeviceRuntime:
 
             if self._config is not None and self._config_key is not None:
                 _log.info("tf_ipu: reconnecting to the device server")
-            self.configure(self._config if self._config is not None else IPUConfig(),
+            if self._config is None:
+                self._default_config = IPUConfig()
+            self.configure(self._config if self._config is not None else self._default_config,
                            on_demand_now=True)
+
+    def _attach_for(self, entry: ProgramEntry) -> None:
+        """Makes sure the session holds the IPUs ``entry`` needs. A process that configured
+        nothing (e.g. it loaded a SavedModel: its programs carry their IPU count, as
+        Graphcore's exported executables did) attaches them now; with a configuration that
+        attaches fewer, an error says how many to configure."""
+        needed = entry.ipus
+        if needed <= 1:
+            return
+        cfg = self._config
+        if cfg is None or cfg is self._default_config:
+            if cfg is not None and _ipus_of(cfg) >= needed:
+                return
+            from tf_ipu.config import IPUConfig
+
+            chosen = IPUConfig()
+            chosen.auto_select_ipus = needed
+            _log.info("tf_ipu: %s runs on %d IPUs (%s): attaching them", entry.name, needed,
+                      _layout(entry))
+            self._default_config = chosen
+            self.configure(chosen, on_demand_now=True)
+            return
+        attached = _ipus_of(cfg)
+        if attached < needed:
+            raise errors.FailedPreconditionError(
+                f"{entry.name}: the program runs on {needed} IPUs ({_layout(entry)}), but the "
+                f"IPU system is configured with {attached} IPU{'s' if attached != 1 else ''}: "
+                f"set IPUConfig.auto_select_ipus = {needed} before configure_ipu_system() (or "
+                f"configure nothing: the program then attaches the {needed} IPUs itself).",
+                self._client.address if self._client is not None else "",
+                "too-few-ipus")
 
     def _drop_connection(self, error: errors.DeviceError) -> errors.DeviceError:
         """Forgets a connection whose server is gone or forgot the session; the next
@@ -526,6 +583,7 @@ class DeviceRuntime:
                 op_outputs=[int(k) for k in sig["op_outputs"]] if "op_outputs" in sig else None,
                 replicas=replicas,
                 pipeline=sig.get("pipeline"),
+                ipus=program_ipus(sig),
             )
             self._programs.append(entry)
             pid = len(self._programs) - 1
@@ -538,6 +596,7 @@ class DeviceRuntime:
         _check_interrupt(signature)
         with self._lock:
             entry = self._programs[pid]
+            self._attach_for(entry)
             self._on_device(lambda: self._compile_entry(entry))
             return self._report_of(entry)
 
@@ -607,6 +666,7 @@ class DeviceRuntime:
         """
         with self._lock:
             entry = self._programs[pid]
+            self._attach_for(entry)
             if self._answer_without_device(entry, outputs):
                 return
             if len(inputs) != len(entry.params):
@@ -879,6 +939,26 @@ class _CompileProgress:
         if self._shown:
             print(f"tf_ipu: compiled {self.name} in {time.perf_counter() - self._start:.1f} s",
                   file=sys.stderr, flush=True)
+
+
+def _ipus_of(cfg: Any) -> int:
+    """The IPUs configuration ``cfg`` attaches (``select_ipus`` or ``auto_select_ipus``)."""
+    if cfg.select_ipus:
+        return max(1, len(cfg.select_ipus))
+    count = cfg.auto_select_ipus
+    if isinstance(count, (list, tuple)):
+        count = count[0] if count else 1
+    return max(1, int(count))
+
+
+def _layout(entry: ProgramEntry) -> str:
+    """How ``entry`` spreads over its IPUs, for messages."""
+    replicas = f"{entry.replicas} replica{'s' if entry.replicas != 1 else ''}"
+    if entry.pipeline:
+        return (f"a pipeline of {entry.pipeline.get('stages')} stages on IPUs "
+                f"{entry.pipeline.get('stage_ipus')}, {replicas} of "
+                f"{entry.pipeline.get('ipus_per_replica')} IPUs")
+    return f"{replicas}, one per IPU"
 
 
 def _fill_corner(out: np.ndarray, value: np.ndarray, dynamic: tuple[bool, ...], what: str) -> None:

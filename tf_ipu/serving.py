@@ -6,7 +6,8 @@
       -> a tf.Module whose tf.function ``predict`` (input signature: the model's inputs, or
          the preprocessing step's, with the batch size fixed) is
              inputs --preprocessing_step (host CPU)--> model inputs
-                    --strategy.run(model)-----------> one IpuExecute op (the lowered program)
+                    --the model on the IPUs---------> one IpuExecute op (the program lowered
+                                                      and compiled at export)
                     --postprocessing_step (host CPU)--> outputs (dict if output_names)
       -> tf.saved_model.save(module, export_dir), signature "serving_default" = predict
       <- returns ``predict``, a tf.function that runs the same program in this process
@@ -19,6 +20,21 @@ Steps that can run on the IPU belong inside the model (Keras layers): they are l
 into the device program. ``preprocessing_step`` and ``postprocessing_step`` run on the host,
 as in Graphcore's SDK, so they may use ops XLA cannot compile (strings, random draws).
 
+How a Keras model's program spreads over the IPUs is decided at export, from the IPUs the
+exporting process attached (``IPUConfig.auto_select_ipus``), as for its ``predict``:
+
+    pipelined model (PipelineStage / set_pipeline_stage_assignment, device_mapping)
+        -> one replica = its stages on the IPUs of device_mapping (a power of two spanned);
+           the attached IPUs / that many replicas (one request a call: one micro-batch)
+    model on one IPU
+        -> one replica per attached IPU, each computing the request (replica 0's answers)
+
+The program's IPU count (replicas x IPUs per replica) is recorded in the IpuExecute op's
+signature (``"ipus"``), as Graphcore's exported executables carried theirs, and in
+``assets.extra/tf_ipu_serving.json`` (``read_requirements``) for whoever deploys it. A process
+that loads the SavedModel and configured no IPU system attaches that many IPUs at its first
+call (``tf_ipu.runtime``); one configured with fewer gets an error naming the count to set.
+
 Where this differs from Graphcore's: the program is not a Poplar executable in the
 SavedModel's assets but the IpuExecute op's lowered program, and the model's weights are
 saved as variables beside it (Graphcore froze them into constants), read at each call; so
@@ -29,14 +45,22 @@ the returned function uses the model's current weights if it is trained further.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    from tf_ipu.lowering.program import LoweredProgram
+
+_log = logging.getLogger("tf_ipu")
 
 #: The SavedModel signature the serving function is saved under (TensorFlow Serving's
 #: default, as in Graphcore's exports).
@@ -203,6 +227,146 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
+# -- the device program ----------------------------------------------------------------------
+
+#: Written beside the SavedModel (``assets.extra/``, which TensorFlow Serving leaves alone):
+#: how its device programs are laid out and how many IPUs a process that loads it attaches.
+REQUIREMENTS_FILE = "tf_ipu_serving.json"
+
+
+def program_sizing(lowered: LoweredProgram) -> dict[str, Any]:
+    """How ``lowered`` runs on the IPUs: its replicas, a pipeline's stages and the IPUs
+    they are mapped to within a replica, and the IPUs it needs in all (replicas x the IPUs
+    one replica spans) -- what a process that loads the export attaches."""
+    from tf_ipu.runtime import program_ipus
+
+    sig = json.loads(lowered.signature)
+    pipeline = sig.get("pipeline") or {}
+    return {
+        "program": lowered.name,
+        "ipus": program_ipus(sig),
+        "replicas": max(1, int(sig.get("replicas", 1))),
+        "stages": int(pipeline.get("stages", 1)),
+        "stage_ipus": [int(i) for i in pipeline.get("stage_ipus", [0])],
+        "ipus_per_replica": int(pipeline.get("ipus_per_replica", 1)),
+    }
+
+
+class DeviceProgram:
+    """The device program of an exported Keras model, lowered and compiled at export: a
+    pipelined model's stages on their IPUs (``set_pipelining_options(device_mapping=...)``),
+    as many replicas of it (or of a model on one IPU) as the configured IPUs hold; its IPU
+    count is recorded in the program's signature, for the process that loads the export.
+
+    Attributes:
+        lowered: the ``LoweredProgram`` (the IpuExecute op's program and signature).
+        report: its ``CompileReport`` (also in ``strategy.reports``).
+        sizing: ``program_sizing(lowered)``: ``ipus``, ``replicas``, ``stages``,
+            ``stage_ipus``, ``ipus_per_replica``.
+    """
+
+    def __init__(self, lowered: LoweredProgram, report: Any) -> None:
+        self.lowered = lowered
+        self.report = report
+        self.sizing = program_sizing(lowered)
+
+    def __call__(self, values: Sequence[tf.Tensor]) -> Any:
+        """The device call (an IpuExecute op, in the graph being traced); a replicated
+        program's results are replica 0's (every replica ran the same inputs)."""
+        from tf_ipu.lowering.program import call_lowered
+
+        result = call_lowered(self.lowered, list(values))
+        if self.lowered.replicas <= 1 or result is None:
+            return result
+        return tf.nest.map_structure(lambda t: t[0], result)
+
+
+def _with_ipus(lowered: LoweredProgram) -> LoweredProgram:
+    """``lowered`` with the IPUs it needs recorded in its signature (``"ipus"``), as
+    Graphcore's exported executables carried their IPU count."""
+    from tf_ipu.runtime import program_ipus
+
+    sig = json.loads(lowered.signature)
+    sig["ipus"] = program_ipus(sig)
+    return dataclasses.replace(lowered, signature=json.dumps(sig))
+
+
+def _keras_program(model: Any, strategy: Any, fn: Callable[..., Any],
+                   specs: list[tf.TensorSpec], what: str) -> DeviceProgram:
+    """``fn`` (the model's call) lowered as the model runs on the configured IPUs: a
+    pipelined model as its pipeline (one request a call: one micro-batch through the
+    stages), replicated when the IPUs hold several of it; compiled now, so that errors
+    (an op XLA cannot compile, too few IPUs, out of memory) surface at export."""
+    from tf_ipu import pipelining, replication, runtime
+    from tf_ipu.lowering.program import lower_function
+
+    strategy._ensure_configured()
+    pipeline = pipelining.plan(model, 1)
+    try:
+        replicas = replication.replicas_for(model)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    if pipeline is not None:
+        pipeline = dict(pipeline, micro_batches=1, accumulation_set=False,
+                        recomputation=False)
+    shown = [f"stages={pipeline['stages']}"] if pipeline is not None else []
+    shown += [f"replicas={replicas}"] if replicas > 1 else []
+    name = f"{model.name}/export_for_ipu_serving" + (f"[{', '.join(shown)}]" if shown else "")
+
+    def replica_fn(*xs: tf.Tensor) -> Any:
+        with strategy.lowering(replicas):
+            return strategy.extended.call_for_each_replica(fn, args=xs)
+
+    unnamed = _unnamed(specs)
+    if pipeline is not None:
+        with pipelining.tagging(model, pipelining.stages_of(model)):
+            lowered = lower_function(replica_fn, unnamed, name, replicas, pipeline)
+    else:
+        lowered = lower_function(replica_fn, unnamed, name, replicas)
+    lowered = _with_ipus(lowered)
+    report = runtime.get_runtime().compile(lowered.program, lowered.signature)
+    program = DeviceProgram(lowered, report)
+    size = program.sizing
+    layout = (f"a pipeline of {size['stages']} stages on IPUs {size['stage_ipus']}"
+              if pipeline is not None else "the whole model on one IPU")
+    _log.info("tf_ipu: %s: model %r is exported as %s, %d replica%s: %d IPU%s (a process "
+              "that loads it attaches them)", what, model.name, layout, size["replicas"],
+              "s" if size["replicas"] != 1 else "", size["ipus"],
+              "s" if size["ipus"] != 1 else "")
+    return program
+
+
+def _write_requirements(export_dir: str, sizes: list[dict[str, Any]], what: str) -> None:
+    """Records the IPUs the export's device programs need beside the SavedModel (for
+    whoever deploys it; the process that loads it reads them from the programs)."""
+    folder = os.path.join(export_dir, "assets.extra")
+    os.makedirs(folder, exist_ok=True)
+    record = {"exported_by": f"tf_ipu {what}",
+              "ipus": max([s["ipus"] for s in sizes], default=1),
+              "programs": sizes}
+    with open(os.path.join(folder, REQUIREMENTS_FILE), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+
+
+def read_requirements(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What an export recorded about its device programs (``REQUIREMENTS_FILE``):
+    ``ipus`` (the IPUs to attach: ``IPUConfig.auto_select_ipus``) and, per program,
+    its ``replicas``, ``stages``, ``stage_ipus`` and ``ipus_per_replica``.
+
+    Example:
+        >>> tf_ipu.serving.read_requirements("exported")["ipus"]   # doctest: +SKIP
+        2
+    """
+    path = os.path.join(os.fspath(export_dir), "assets.extra", REQUIREMENTS_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{os.fspath(export_dir)!r} holds no {REQUIREMENTS_FILE} (assets.extra/): it was "
+            f"not exported by tf_ipu's export_for_ipu_serving / ipu.serving.") from None
+
+
 # -- the serving module ----------------------------------------------------------------------
 
 
@@ -217,7 +381,7 @@ def _export(
     what: str,
     export_dir: str,
     strategy: Any,
-    device_fn: Callable[..., Any],
+    device_fn: Callable[..., Any] | DeviceProgram,
     device_label: str,
     device_signature: list[tf.TensorSpec],
     input_signature: list[tf.TensorSpec],
@@ -230,8 +394,9 @@ def _export(
     """Builds the serving function, saves it under ``export_dir``, returns it.
 
     ``device_fn`` takes one tensor per ``device_signature`` spec and runs through
-    ``strategy.run`` (one IpuExecute op); the steps run on the host around it. ``keep``: the
-    objects the SavedModel must hold (a model: its variables).
+    ``strategy.run`` (one IpuExecute op), or is a ``DeviceProgram`` lowered already (a Keras
+    model's: a pipeline or replicas, sized for the IPUs it needs); the steps run on the host
+    around it. ``keep``: the objects the SavedModel must hold (a model: its variables).
     """
     pre = post = None
     step_variables: list[tf.Variable] = []
@@ -247,7 +412,10 @@ def _export(
         if pre is not None:
             values = _match(_as_tuple(pre(*values)), device_signature, "preprocessing_step",
                             device_label, what)
-        out = strategy.run(device_fn, args=tuple(values))
+        if isinstance(device_fn, DeviceProgram):
+            out = device_fn(values)
+        else:
+            out = strategy.run(device_fn, args=tuple(values))
         if post is not None:
             flat = tf.nest.flatten(out)
             if postprocessing_signature is not None:
@@ -274,12 +442,16 @@ def _export(
         step_variables += list(post.get_concrete_function(*traced["post"]).variables)
     # Variables the device program reads (a model's, or a predict_step's closure's) and the
     # host steps read: the SavedModel saves them and the loaded function restores them.
-    device_variables = [v for lowered, _ in strategy._run_cache.get(device_fn, {}).values()
-                        for v in lowered.variables]
+    if isinstance(device_fn, DeviceProgram):
+        programs = [device_fn.lowered]
+    else:
+        programs = [lowered for lowered, _ in strategy._run_cache.get(device_fn, {}).values()]
+    device_variables = [v for lowered in programs for v in lowered.variables]
     module.variables_used = list({id(v): v for v in device_variables + step_variables}.values())
     if os.path.isdir(export_dir) and os.listdir(export_dir):  # purge_export_dir=True
         shutil.rmtree(export_dir)
     tf.saved_model.save(module, export_dir, signatures={SIGNATURE_KEY: concrete})
+    _write_requirements(export_dir, [program_sizing(p) for p in programs], what)
     return module.predict
 
 
@@ -431,7 +603,8 @@ def export_keras(
         return model(inputs, training=False)
 
     serving_call.__name__ = f"{model.name}/export_for_ipu_serving"
-    return _export(what, path, strategy, serving_call, f"model {model.name!r}", specs,
+    device = _keras_program(model, strategy, serving_call, specs, what)
+    return _export(what, path, strategy, device, f"model {model.name!r}", specs,
                    input_signature, names,
                    preprocessing_step, postprocessing_step, post_specs, {"model": model})
 
@@ -578,4 +751,5 @@ def _fn_name(fn: Any) -> str:
     return repr(getattr(fn, "__name__", None) or type(fn).__name__)
 
 
-__all__ = ["SIGNATURE_KEY", "export_for_ipu_serving", "export_keras", "export_single_step"]
+__all__ = ["REQUIREMENTS_FILE", "SIGNATURE_KEY", "DeviceProgram", "export_for_ipu_serving",
+           "export_keras", "export_single_step", "program_sizing", "read_requirements"]
