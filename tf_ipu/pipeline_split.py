@@ -82,7 +82,10 @@ def _output_bytes(layer: Any, node_index: int, batch_size: int) -> int:
     if node_index < len(nodes):
         outputs = list(getattr(nodes[node_index], "output_tensors", []) or [])
     if not outputs:
-        out = getattr(layer, "output", None)
+        try:  # a layer called only inside a subclassed model's call() has no node, no output
+            out = getattr(layer, "output", None)
+        except ValueError:
+            out = None
         outputs = out if isinstance(out, (list, tuple)) else [out] if out is not None else []
     total = 0
     for t in outputs:

@@ -8,6 +8,10 @@
               forward ops in the stage's name scope ("tf_ipu_stage_<s>"), their gradients
               under it too (TF names them after the forward op), a variable's update in the
               stage of the layer that owns it  ──> IR attribute ``pipeline_stage``
+      subclassed models: the stages of the PipelineStage scopes entered in call(), read from
+              its latest run (every model call records its own layer calls: _Frame ->
+              _Trace); fit/evaluate/predict run call() (Keras's build) before counting
+              steps per replica, so a replica spans the pipeline's IPUs
       device server: runs it (a pipeline computes what its micro-batches run one after the
               other with gradient accumulation compute); the tile model sizes each stage on
               its IPU with the schedule (docs/tile_model.md)
@@ -37,6 +41,8 @@ _ASSIGNMENT_ATTR = "_tf_ipu_stage_assignment"   # model -> {(layer id, call inde
 _OPTIONS_ATTR = "_tf_ipu_pipelining_options"
 _LAYER_STAGE_ATTR = "_tf_ipu_pipeline_stage"      # a layer built in a PipelineStage scope
 _NODE_STAGES_ATTR = "_tf_ipu_node_stages"         # a layer's calls made in a scope: {node: stage}
+_TRACE_ATTR = "_tf_ipu_traced_calls"              # a subclassed model: its call()'s layer calls
+_RESET_ATTR = "_tf_ipu_pipeline_reset"            # reset_pipeline_stage_assignment: not pipelined
 
 _state = threading.local()
 
@@ -120,7 +126,11 @@ def recomputation_checkpoint(tensors: Any, name: str | None = None) -> Any:
 class PipelineStage:
     """Assigns the Keras layers created, and the layer calls made, in its scope to pipeline
     stage ``stage`` (a call's stage overrides its layer's). Not nested; only under
-    ``IPUStrategy``. Inside a subclassed model's ``call`` it tags the ops it traces.
+    ``IPUStrategy``. Inside a subclassed model's ``call()`` it assigns the layer calls that
+    ``call()`` makes in it (a nested model called in it: all its layers), read from a run of
+    ``call()`` (``_Trace``), and tags the ops it traces. Entered inside the ``call()`` of a
+    layer that is not a model, it is refused (at ``set_pipelining_options`` or the first
+    ``fit``): that layer's weights are in one stage.
 
     Example:
         >>> with strategy.scope():                                     # doctest: +SKIP
@@ -145,6 +155,18 @@ class PipelineStage:
             raise RuntimeError(f"Pipeline stages must not be nested: PipelineStage("
                                f"{self._stage}) inside PipelineStage({_state.stage}).")
         _state.stage = self._stage
+        # The model call whose layer calls this scope assigns (see _Frame), if one is running.
+        frames = getattr(_state, "frames", None)
+        top = frames[-1] if frames else None
+        _state.scope_frame = top
+        if top is not None and top.leaf is not None:
+            leaf = top.leaf
+            top.problems.append(
+                f"PipelineStage({self._stage}) is entered inside the call of layer "
+                f"{leaf.name!r} ({type(leaf).__name__}, not a keras.Model), whose weights "
+                f"are all in the stage of its call: put the scope around the call of "
+                f"{leaf.name!r} in {top.model.name}'s call(), or make {type(leaf).__name__} a "
+                f"keras.Model (its own layer calls are then pipeline calls)")
         if tf.inside_function():  # a subclassed model's call being traced: tag its ops
             self._scope = tf.name_scope(f"{STAGE_SCOPE}{self._stage}")
             self._scope.__enter__()
@@ -155,6 +177,7 @@ class PipelineStage:
             self._scope.__exit__(*exc)
             self._scope = None
         _state.stage = None
+        _state.scope_frame = None
 
 
 def current_stage() -> int | None:
@@ -298,9 +321,48 @@ def _is_model(layer: Any) -> bool:
     return isinstance(layer, keras.Model)
 
 
+_GRAPH_MODELS: tuple[type, ...] = ()  # keras.Sequential and functional models (set lazily)
+
+
+def _is_subclassed(model: Any) -> bool:
+    """A keras.Model whose layer calls only its ``call()`` knows (neither Sequential nor
+    functional): its calls are read from a run of ``call()`` (``_Trace``)."""
+    global _GRAPH_MODELS
+    if not _GRAPH_MODELS:
+        import keras
+        from keras.src.models.functional import Functional
+
+        _GRAPH_MODELS = (keras.Sequential, Functional)
+    return _is_model(model) and not isinstance(model, _GRAPH_MODELS)
+
+
+class _Trace:
+    """The layer calls the latest run of a subclassed model's ``call()`` made (eager, traced
+    by tf.function, or symbolic when Keras builds the model), each as (layer, its call
+    index in that run, the stage of the PipelineStage scope entered in this ``call()``
+    around it, or None), in the order it made them, and what made its stages unreadable."""
+
+    __slots__ = ("calls", "problems", "stages")
+
+    def __init__(self, calls: list[tuple[Any, int, int | None]], problems: list[str]) -> None:
+        self.calls = calls
+        self.problems = problems
+        self.stages = {(id(layer), index): stage for layer, index, stage in calls}
+
+
+def _trace(model: Any) -> _Trace | None:
+    """The recorded run of ``call()`` of a subclassed model (None: other models, or its
+    ``call()`` has not run yet)."""
+    return getattr(model, _TRACE_ATTR, None) if _is_subclassed(model) else None
+
+
 def _layer_calls(model: Any) -> list[tuple[Any, int]]:
     """(layer, node index) of every layer call of a functional model, in the order the model
-    runs them (its nodes by depth, inputs first), without its inputs."""
+    runs them (its nodes by depth, inputs first), without its inputs; of a subclassed model,
+    (layer, call index) of the calls its ``call()`` made in its latest run, in their order."""
+    trace = _trace(model)
+    if trace is not None:
+        return [(layer, index) for layer, index, _ in trace.calls]
     by_depth = getattr(model, "_nodes_by_depth", None)
     if _is_sequential(model) or not by_depth:
         return [(layer, 0) for layer in model.layers]
@@ -336,6 +398,12 @@ def _stage_in(sources: list[tuple[dict[Path, int], int]], path: Path) -> int | N
 
 def _assignments(model: Any, sources: list[tuple[dict[Path, int], int]], prefix: Path) -> list[Any]:
     sequential = _is_sequential(model)
+    # Graphcore's classes: Functional* for functional models, their bases for subclassed ones.
+    subclassed = _is_subclassed(model)
+    layer_class = (ModelLayerPipelineStageAssignment if subclassed
+                   else FunctionalLayerPipelineStageAssignment)
+    nested_class = (NestedModelPipelineStageAssignment if subclassed
+                    else FunctionalNestedModelPipelineStageAssignment)
     out: list[Any] = []
     for layer, index in _layer_calls(model):
         path = prefix + ((id(layer), index),)
@@ -344,19 +412,19 @@ def _assignments(model: Any, sources: list[tuple[dict[Path, int], int]], prefix:
                                  path)
             whole = _stage_in(sources, path)
             if whole is None:
-                whole = _scoped_stage(layer, index)
+                whole = _call_stage(model, layer, index)
             if whole is not None:  # the nested model's call in a stage: its unassigned layers too
                 for a in _leaves(inner):
                     if a.pipeline_stage is None:
                         a.pipeline_stage = whole
             out.append(SequentialNestedModelPipelineStageAssignment(layer, inner) if sequential
-                       else FunctionalNestedModelPipelineStageAssignment(layer, index, inner))
+                       else nested_class(layer, index, inner))
             continue
         stage = _stage_in(sources, path)
         if stage is None:
-            stage = _scoped_stage(layer, index)
+            stage = _call_stage(model, layer, index)
         out.append(SequentialLayerPipelineStageAssignment(layer, stage) if sequential
-                   else FunctionalLayerPipelineStageAssignment(layer, index, stage))
+                   else layer_class(layer, index, stage))
     return out
 
 
@@ -376,7 +444,10 @@ def get_pipeline_stage_assignment(self: Any) -> list[Any]:
     (a Sequential or functional model called as a layer) has a
     ``SequentialNestedModelPipelineStageAssignment`` / ``FunctionalNestedModelPipelineStageAssignment``
     holding the assignments of its own layers (its own ``set_pipeline_stage_assignment``,
-    else its layers' scopes, are the defaults, as Graphcore's)."""
+    else its layers' scopes, are the defaults, as Graphcore's). A subclassed model has one
+    ``ModelLayerPipelineStageAssignment`` per layer call its ``call()`` made in its latest
+    run, in that order (``node_index``: the layer's n-th call in it), with the stage of the
+    scope entered around the call in ``call()``."""
     return _assignments(self, [(getattr(self, _ASSIGNMENT_ATTR, {}), 0)], ())
 
 
@@ -385,6 +456,20 @@ def _scoped_stage(layer: Any, node_index: int) -> int | None:
     if node_index in stages:
         return stages[node_index]
     return getattr(layer, _LAYER_STAGE_ATTR, None)
+
+
+def _call_stage(model: Any, layer: Any, index: int) -> int | None:
+    """The stage the scopes give call ``index`` of ``layer`` in ``model``: for a subclassed
+    model, the scope entered around it in ``call()``, else the one around the layer's
+    construction (none after ``reset_pipeline_stage_assignment``); for other models, the
+    scope around the symbolic call (its node), else around the construction."""
+    trace = _trace(model)
+    if trace is None:
+        return _scoped_stage(layer, index)
+    if getattr(model, _RESET_ATTR, False):
+        return None
+    stage = trace.stages.get((id(layer), index))
+    return stage if stage is not None else getattr(layer, _LAYER_STAGE_ATTR, None)
 
 
 def _table(model: Any, given: Sequence[Any], where: str, prefix: Path = ()) -> dict[Path, int]:
@@ -428,11 +513,19 @@ def set_pipeline_stage_assignment(self: Any, pipeline_stage_assignment: Sequence
     table = _table(self, list(pipeline_stage_assignment),
                    f"{self.name}.set_pipeline_stage_assignment")
     object.__setattr__(self, _ASSIGNMENT_ATTR, table)
+    if hasattr(self, _RESET_ATTR):
+        object.__delattr__(self, _RESET_ATTR)
 
 
 def reset_pipeline_stage_assignment(self: Any) -> None:
-    """Graphcore's ``model.reset_pipeline_stage_assignment``: the model is not pipelined."""
+    """Graphcore's ``model.reset_pipeline_stage_assignment``: the model is not pipelined
+    (its scopes' stages, a subclassed model's in ``call()`` too, no longer count), until
+    ``set_pipeline_stage_assignment``."""
     object.__setattr__(self, _ASSIGNMENT_ATTR, {})
+    object.__setattr__(self, _RESET_ATTR, True)
+    for layer in self._flatten_layers(include_self=False):
+        if _is_subclassed(layer):
+            object.__setattr__(layer, _RESET_ATTR, True)
     for layer in self.layers:
         for attr in (_LAYER_STAGE_ATTR, _NODE_STAGES_ATTR):
             if hasattr(layer, attr):
@@ -494,6 +587,50 @@ def stages_of(model: Any) -> dict[Path, int]:
     return {path: stage for path, _, stage in _flat(model) if stage is not None}
 
 
+def _models(model: Any) -> Iterator[Any]:
+    """``model`` and every model its calls reach (nested models), once each."""
+    seen: set[int] = set()
+    todo = [model]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield m
+        todo.extend(layer for layer, _ in _layer_calls(m) if _is_model(layer))
+
+
+def _unreadable(model: Any) -> list[str]:
+    """Why the stages of ``model``'s subclassed parts cannot be read from their ``call()``
+    (empty: they can, or there is none)."""
+    problems: list[str] = []
+    for m in _models(model):
+        trace = _trace(m)
+        if trace is not None and not getattr(m, _RESET_ATTR, False):
+            problems.extend(p for p in trace.problems if p not in problems)
+    return problems
+
+
+def _no_stages_reason(model: Any) -> str:
+    """Why ``model`` has no pipeline stage, in the user's terms."""
+    if getattr(model, _RESET_ATTR, False):
+        return "reset_pipeline_stage_assignment() was called"
+    if _is_subclassed(model):
+        trace = _trace(model)
+        if trace is None:
+            return ("it is a subclassed model whose call() has not run yet, and its stages "
+                    "are read from the PipelineStage scopes its call() enters: call the model "
+                    "on a batch (or let fit/evaluate/predict build it) first")
+        if not trace.calls:
+            return ("its call() calls no Keras layer, and pipeline stages hold layer calls "
+                    "(computations made with keras.ops or tf ops directly in call(), outside "
+                    "layers, have no stage): put them in layers called in PipelineStage scopes")
+        return ("its call() makes no layer call inside a keras.ipu.PipelineStage scope (a "
+                "scope entered around model(x), outside call(), does not assign its layers)")
+    return ("no layer (call) has a stage: neither set_pipeline_stage_assignment nor a "
+            "keras.ipu.PipelineStage scope assigned one")
+
+
 # -- options -------------------------------------------------------------------------------
 
 _KNOWN_KWARGS = {"pipeline_schedule", "recomputation_mode", "offload_weight_update_variables",
@@ -531,9 +668,21 @@ def set_pipelining_options(self: Any, gradient_accumulation_steps_per_replica: i
             ``IPUConfig.allow_recompute``), ``offload_weight_update_variables``,
             ``replicated_optimizer_state_sharding`` and Graphcore's other pipeline op
             options, which size the program (the tile model) and do not change results.
+
+    Raises:
+        ValueError: an invalid option; or stages that cannot be read from a subclassed
+            model's ``call()`` that has already run (a PipelineStage scope inside the call of
+            a layer that is not a model). A model whose ``call()`` has not run yet is
+            checked at the first ``fit``/``evaluate``/``predict`` (once Keras's build has
+            run it), which also refuses a model with these options and no stage at all
+            (``plan``): a pipelined model never trains unpipelined silently.
     """
     from tf_ipu import accumulation
 
+    problems = _unreadable(self)
+    if problems:  # a subclassed model's call() has run: its stages are known now
+        raise ValueError(f"set_pipelining_options: the pipeline stages of {self.name} cannot "
+                         f"be read: " + "; ".join(problems) + ".")
     steps = gradient_accumulation_steps_per_replica
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise ValueError(f"set_pipelining_options: gradient_accumulation_steps_per_replica must "
@@ -612,13 +761,25 @@ def pipelining_options(model: Any) -> dict[str, Any]:
 def plan(model: Any, steps_per_execution: int) -> dict[str, Any] | None:
     """The pipeline of ``model`` (None: not pipelined), checked: stages, their IPUs, the IPUs a
     replica spans, the schedule, micro-batches per update. Raises ValueError naming the
-    numbers and the fix."""
+    numbers and the fix; also when ``set_pipelining_options`` was called and the model has
+    no stage (unless ``reset_pipeline_stage_assignment`` made it unpipelined), or when a
+    subclassed model's stages cannot be read from its ``call()``."""
+    name = getattr(model, "name", "model")
+    problems = _unreadable(model)
+    if problems:
+        raise ValueError(f"{name}: its pipeline stages cannot be read: "
+                         + "; ".join(problems) + ".")
     stages = stages_of(model)
     if not stages:
+        if pipelining_options(model) and not getattr(model, _RESET_ATTR, False):
+            raise ValueError(
+                f"{name}: set_pipelining_options was called, but the model has no pipeline "
+                f"stage: {_no_stages_reason(model)}. It would otherwise run unpipelined "
+                f"(as data-parallel replicas over the IPUs); to accumulate gradients without "
+                f"a pipeline, call set_gradient_accumulation_options instead.")
         return None
     count = max(stages.values()) + 1
     missing = sorted(set(range(count)) - set(stages.values()))
-    name = getattr(model, "name", "model")
     if missing:
         raise ValueError(f"{name}: pipeline stages {missing} have no layer (stages are "
                          f"0 .. {count - 1}); renumber the stages without gaps.")
@@ -704,6 +865,20 @@ def tagging(model: Any, stages: dict[Path, int]) -> Any:
     """A block in which the traced program of ``model`` tags its ops with their stages."""
     import contextlib
 
+    traced = any(_trace(m) is not None for m in _models(model))
+    if traced:  # traced again since the plan (training=True, for the program): still valid?
+        try:
+            plan(model, 1)
+        except ValueError as e:
+            raise ValueError(
+                f"{str(e).rstrip('.')}; found as its call() was traced for the device "
+                f"program, with training=True (the pipeline was planned from Keras's build, "
+                f"training=False): a pipelined model's call() must make its layer calls in "
+                f"stages in both.") from None
+    flat = _flat(model) if traced else []
+    before = [(path, stage) for path, _, stage in flat] if traced else None
+    names = {id(layer): layer.name for _, layer, _ in flat}
+
     @contextlib.contextmanager
     def block() -> Iterator[None]:
         previous = getattr(_state, "tagging", None)
@@ -712,8 +887,51 @@ def tagging(model: Any, stages: dict[Path, int]) -> Any:
             yield
         finally:
             _state.tagging = previous
+        if before is not None:
+            _check_retrace(model, before, names)
 
     return block()
+
+
+def _check_retrace(model: Any, before: list[tuple[Path, int | None]],
+                   names: dict[int, str]) -> None:
+    """A subclassed model's ``call()`` traced again for the program (with ``training=True``;
+    Keras's build traced it with ``training=False``) may make other layer calls (a layer
+    called only in training) as long as the pipeline stays the one planned: every call in a
+    stage, the same stages. Otherwise ValueError naming the first call that differs."""
+    problems = _unreadable(model)
+    after = [(path, stage) for path, _, stage in _flat(model)]
+    if not problems and after == before:
+        return
+    name = getattr(model, "name", "model")
+    if problems:
+        raise ValueError(f"{name}: its pipeline stages cannot be read: " + "; ".join(problems)
+                         + ".")
+    count = max((s for _, s in before if s is not None), default=-1) + 1
+    try:
+        now = plan(model, 1)
+        why = "" if now is not None and now["stages"] == count else (
+            f"it has {now['stages'] if now else 0} stages, not {count}")
+    except ValueError as e:
+        why = str(e)
+    if not why:
+        return
+    names = {**names, **{id(layer): layer.name for _, layer, _ in _flat(model)}}
+
+    def show(entry: tuple[Path, int | None] | None) -> str:
+        if entry is None:
+            return "no call"
+        path, stage = entry
+        layer_id, index = path[-1]
+        return f"{names.get(layer_id, '?')} (call {index}) in stage {stage}"
+
+    k = next((k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
+             min(len(before), len(after)))
+    raise ValueError(
+        f"{name}: tracing its call() for the device program made other layer calls in "
+        f"pipeline stages than the trace its pipeline was planned from (Keras's build, "
+        f"training=False): layer call {k} is {show(after[k] if k < len(after) else None)}, "
+        f"was {show(before[k] if k < len(before) else None)}; then {why}")
 
 
 def _layer_call_scope(layer: Any) -> tuple[Any, bool]:
@@ -765,10 +983,62 @@ def variable_scope(var: Any) -> Any:
     return tf.name_scope(f"{STAGE_SCOPE}{stage}")
 
 
+class _Frame:
+    """One running call of a model (any kind), while its layer calls are recorded: the calls
+    it makes itself (not those made inside a layer's own call), each with the stage of the
+    PipelineStage scope entered in this frame around it. Kept for subclassed models
+    (``_Trace``)."""
+
+    __slots__ = ("model", "counts", "calls", "leaf", "problems")
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.counts: dict[int, int] = {}
+        self.calls: list[tuple[Any, int, int | None]] = []
+        self.leaf: Any = None  # the (non-model) layer whose call is running in this frame
+        self.problems: list[str] = []
+
+
+def _trace_before_counting(iterator: Any) -> None:
+    """Runs (symbolically, as Keras's build does) the ``call()`` of the subclassed model
+    that ``fit``/``evaluate`` is starting, when it has pipelining options and its ``call()``
+    has not run: its stages, so the IPUs a replica spans, must be known before Keras's epoch
+    iterator counts the steps per replica. Anything that fails here fails again, named, in
+    Keras's build or in ``plan``."""
+    import keras
+    from keras.src import backend, tree
+    from keras.src.trainers import data_adapters
+
+    from tf_ipu import replication
+    from tf_ipu.strategy import IPUStrategy
+
+    strategy = getattr(iterator, "_distribute_strategy", None)
+    current = replication.current_call()
+    model = current[1] if current else None
+    if (not isinstance(strategy, IPUStrategy) or model is None or not _is_subclassed(model)
+            or _trace(model) is not None or not pipelining_options(model)):
+        return
+    try:
+        spec = iterator._distributed_dataset.element_spec
+        x, _, _ = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(spec)
+        x = tree.map_structure(
+            lambda v: None if v is None else keras.KerasTensor(
+                v.shape, backend.standardize_dtype(v.dtype)), x)
+        with strategy.scope():
+            backend.compute_output_spec(model, x, training=False)
+    except Exception:  # noqa: BLE001 - Keras's own build reports it
+        return
+
+
 def install() -> None:
     """Hooks Keras's layers: construction and symbolic calls in a PipelineStage scope record
-    their stage; calls while a pipelined program is traced open their stage's name scope."""
+    their stage; every model call records its layer calls and the stages of the scopes
+    entered in it (a subclassed model keeps them: ``_Trace``); calls while a pipelined
+    program is traced open their stage's name scope. Hooks Keras's epoch iterator so that a
+    subclassed model's stages are known before it counts steps per replica."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.layers.layer import Layer
+    from keras.src.models.model import Model
 
     if getattr(Layer, "_tf_ipu_pipelining", False):
         return
@@ -785,6 +1055,21 @@ def install() -> None:
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         stage = current_stage()
+        frames = getattr(_state, "frames", None)
+        if frames is None:
+            frames = _state.frames = []
+        top = frames[-1] if frames else None
+        if top is not None and top.leaf is None:  # a call the running model makes itself
+            index = top.counts.get(id(self), 0)
+            top.counts[id(self)] = index + 1
+            owned = stage if getattr(_state, "scope_frame", None) is top else None
+            top.calls.append((self, index, owned))
+        frame = _Frame(self) if isinstance(self, Model) else None
+        leaf = frame is None and top is not None and top.leaf is None
+        if frame is not None:
+            frames.append(frame)
+        elif leaf:
+            top.leaf = self
         scope, pushed = _layer_call_scope(self)
         before = len(getattr(self, "_inbound_nodes", []) or [])
         try:
@@ -796,6 +1081,12 @@ def install() -> None:
         finally:
             if pushed:
                 _state.tagging.frames.pop()
+            if frame is not None:
+                frames.pop()
+            elif leaf:
+                top.leaf = None
+        if frame is not None and _is_subclassed(self):
+            object.__setattr__(self, _TRACE_ATTR, _Trace(frame.calls, frame.problems))
         if stage is not None:
             after = len(getattr(self, "_inbound_nodes", []) or [])
             if after > before:  # a symbolic call made a node: its stage
@@ -808,6 +1099,33 @@ def install() -> None:
     Layer.__new__ = staticmethod(new)
     Layer.__call__ = call
     Layer._tf_ipu_pipelining = True
+
+    # A model built by its first call runs call() once more to build (Keras's default
+    # build): those layer calls go to a frame of their own, not the call's.
+    original_maybe_build = Layer._maybe_build
+
+    def maybe_build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        frames = getattr(_state, "frames", None)
+        if not frames or frames[-1].model is not self:
+            return original_maybe_build(self, *args, **kwargs)
+        frames.append(_Frame(self))
+        try:
+            return original_maybe_build(self, *args, **kwargs)
+        finally:
+            frames.pop()
+
+    maybe_build.__wrapped__ = original_maybe_build  # type: ignore[attr-defined]
+    Layer._maybe_build = maybe_build
+
+    # Innermost hook of the epoch iterator's __init__ (installed before the replicas'
+    # counting, tf_ipu.replication.install_epoch_iterator, which then reads the plan).
+    iterator_init = tf_trainer.TFEpochIterator.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        iterator_init(self, *args, **kwargs)
+        _trace_before_counting(self)
+
+    tf_trainer.TFEpochIterator.__init__ = init
 
 
 __all__ = ["CHECKPOINT_SCOPE", "FunctionalLayerPipelineStageAssignment",
