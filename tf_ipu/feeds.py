@@ -14,6 +14,16 @@ there (a few ahead of what the device has taken; what it pushed and the device d
 waits for the next call). An outfeed's ``enqueue`` inside ``fn`` hands values to the
 session's outfeed of that name; the call's reply carries them, stacked, and ``deliver`` keeps
 them until the host dequeues.
+
+An enqueue in a graph (``enqueue_outfeed``) is the custom-call plus an addition to an int32
+variable of its queue, and returns that addition as its operation:
+
+    tf.cond(p, lambda: q.enqueue(x), tf.no_op)  ->  branch: done = custom-call(x)
+                                                          q.enqueues += done   (an op)
+    the variable's new value is an output of the program, so the cond, loop or nested
+    tf.function holding the enqueue is never pruned (by TF or by the device)
+
+An enqueue run eagerly delivers its value at once (``deliver_one``).
 """
 
 from __future__ import annotations
@@ -78,14 +88,19 @@ class DeviceIterator:
 
 
 @contextlib.contextmanager
-def scratch_trace() -> Iterator[None]:
-    """Marks a trace whose graph is thrown away (one traced to learn a step's output
-    structure): what an outfeed queue is given there does not count as enqueued."""
-    _lowering.scratch = getattr(_lowering, "scratch", 0) + 1
+def _marked(mark: str) -> Iterator[None]:
+    """Counts this thread into the traces marked ``mark`` while the block runs."""
+    setattr(_lowering, mark, getattr(_lowering, mark, 0) + 1)
     try:
         yield
     finally:
-        _lowering.scratch -= 1
+        setattr(_lowering, mark, getattr(_lowering, mark) - 1)
+
+
+def scratch_trace() -> contextlib.AbstractContextManager[None]:
+    """Marks a trace whose graph is thrown away (one traced to learn a step's output
+    structure): what an outfeed queue is given there does not count as enqueued."""
+    return _marked("scratch")
 
 
 def in_scratch_trace() -> bool:
@@ -117,10 +132,47 @@ def next_while_lowering(queue: Any, feed: str, element_spec: Any) -> Any:
     return DeviceIterator(feed, element_spec).get_next()
 
 
-def enqueue_outfeed(feed: str, values: list[tf.Tensor]) -> None:
-    """Inside a lowered device function: hands ``values`` to outfeed ``feed``."""
-    xla.custom_call_v2(OUTFEED_TARGET, values, [tf.TensorSpec([], tf.bool)],
-                       backend_config=feed, has_side_effect=True)
+def device_program() -> contextlib.AbstractContextManager[None]:
+    """Marks the code traced while a function is lowered to a device program
+    (``lower_function``): an outfeed enqueue there is refused, naming it, if the device
+    cannot send its values (a size that depends on the data)."""
+    return _marked("device")
+
+
+def in_device_program() -> bool:
+    """Whether the code running is traced into a device program (see ``device_program``)."""
+    return getattr(_lowering, "device", 0) > 0
+
+
+def enqueue_outfeed(feed: str, values: list[tf.Tensor], enqueues: tf.Variable) -> tf.Operation:
+    """In a graph (a device function being lowered, or one that may be): hands ``values``
+    to outfeed ``feed``; returns the operation that does it.
+
+    The custom-call's result is added to ``enqueues`` (an int32 variable of the queue), and
+    the returned operation is that addition. TF keeps a nested ``tf.function``'s ops only if
+    they lead to its outputs or to a stateful op (the custom-call op is not stateful), and the
+    device keeps a ``cond`` or ``while`` only if its results are used: a variable's new value
+    is an output of the program wherever it was assigned, so every enqueue, in every branch,
+    loop body and nested function, stays in the program.
+
+    A ``tf.function`` keeps its traces, and runs one traced outside ``strategy.run`` when
+    ``strategy.run`` calls it, so every graph gets this same device form. Run on the host
+    (a ``tf.function`` called directly), TF fails on the op, which is named after the queue.
+    """
+    done = xla.custom_call_v2(OUTFEED_TARGET, values, [tf.TensorSpec([], tf.bool)],
+                              backend_config=feed, has_side_effect=True,
+                              name=f"IPUOutfeedQueue_{_op_name(feed)}_enqueue")
+    # Read, then assigned: a read makes the traced functions list it among their variables.
+    return enqueues.assign(enqueues.read_value() + tf.cast(done[0], tf.int32), read_value=False)
+
+
+def _op_name(feed: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-." else "_" for c in feed)
+
+
+def deliver_one(feed: str, values: list[np.ndarray]) -> None:
+    """Keeps one element of outfeed ``feed`` enqueued eagerly (as a device call's would be)."""
+    deliver({feed: (1, [np.asarray(v, order="C")[None] for v in values])})
 
 
 def deliver(outfeeds: dict[str, tuple[int, list[np.ndarray]]]) -> None:

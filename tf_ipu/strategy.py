@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.autograph.core import ag_ctx as autograph_ctx
+from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended
 
 from tf_ipu import errors, interrupt, notices
@@ -295,8 +297,12 @@ class IPUStrategy(tf.distribute.OneDeviceStrategy):
                 given = iter(tensors)
                 values = [static[k] if k in static else next(given) for k in range(len(leaves))]
                 a, kw = tf.nest.pack_sequence_as(structure, values)
+                # Converted by autograph as tf.distribute's run does: a plain function's
+                # Python loops and conditions over tensors become tf.while_loop / tf.cond.
+                converted = autograph.tf_convert(fn, autograph_ctx.control_status_ctx(),
+                                                 convert_by_default=False)
                 with self.lowering(replicas):
-                    out = self.extended.call_for_each_replica(fn, args=a, kwargs=kw)
+                    out = self.extended.call_for_each_replica(converted, args=a, kwargs=kw)
                 # An operation (Graphcore's loops return one when nothing is loop-carried)
                 # is something to wait for: the call returns a value computed from it.
                 return tf.nest.map_structure(_after_operation, out)

@@ -188,9 +188,12 @@ def lower_function(
     # This also works while an outer function is being traced (a serving function that
     # calls strategy.run): the program is then embedded in the outer graph. (No init_scope:
     # it would pause gradient tapes, and train steps need them.)
-    concrete = jf.get_concrete_function(*arg_specs)
+    from tf_ipu import feeds
+
     try:
-        hlo = jf.experimental_get_compiler_ir(*arg_specs)(stage="hlo_serialized")
+        with feeds.device_program():  # outfeed enqueues check what the device can send
+            concrete = jf.get_concrete_function(*arg_specs)
+            hlo = jf.experimental_get_compiler_ir(*arg_specs)(stage="hlo_serialized")
     except (ValueError, tf.errors.OpError) as e:
         refused = _not_compilable(str(e), name)
         if refused is None:
