@@ -42,6 +42,7 @@ from __future__ import annotations
 import emulator_util as eu
 import numpy as np
 import pytest
+import server_util as su
 import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,7 +57,7 @@ from device_server.emulator import (
 )
 from device_server.emulator.kernels import CUSTOM_CALLS
 from device_server.emulator.tiles import plan_module
-from device_server.protocol import dtypes
+from device_server.protocol import dtypes, ir_pb2
 
 HYP = settings(max_examples=10, deadline=None, derandomize=True)
 TARGET = get_target("ipu2")
@@ -459,3 +460,65 @@ def test_complex_eigh_through_strategy_keeps_tf_dtypes(ipu_system) -> None:
     np.testing.assert_array_equal(w.numpy().imag, 0)
     recon = (v.numpy() * w.numpy()[None, :]) @ v.numpy().conj().T
     np.testing.assert_allclose(recon, a, atol=1e-4)
+
+
+# -- host calls inside control flow whose results nothing reads ------------------------------
+
+
+def _outfeed_in_branch_module() -> ir_pb2.Module:
+    """``main(x: f32[3], p: pred[]) = x + x``, beside a ``call`` of a computation whose
+    ``conditional`` on ``p`` outfeeds ``x`` in its true branch and twice in a ``while`` loop of
+    its false branch. Nothing reads the call's result: only the host sees what it does."""
+    m = ir_pb2.Module(name="outfeed_in_branch", entry_computation_id=0, frontend="test")
+    vec, pred, s32 = su.array_shape(np.float32, [3]), su.array_shape(np.bool_, []), \
+        su.array_shape(np.int32, [])
+    state = ir_pb2.Shape(is_tuple=True, tuple_shapes=[s32, vec])
+
+    true_branch = su.Builder(m, 1, "true_branch")
+    x = true_branch.parameter(vec)
+    true_branch.op("custom-call", [x], pred, custom_call_target="tf_ipu_outfeed",
+                   backend_config="seen")
+    true_branch.root(x)
+
+    cond = su.Builder(m, 5, "cond")
+    i, _ = cond.unpack(state)
+    cond.root(cond.op("compare", [i, cond.constant(np.array(2, np.int32))], pred,
+                      direction="LT", compare_type="SIGNED"))
+    body = su.Builder(m, 6, "body")
+    i, x = body.unpack(state)
+    body.op("custom-call", [x], pred, custom_call_target="tf_ipu_outfeed", backend_config="seen")
+    body.root(body.tuple([body.op("add", [i, body.constant(np.array(1, np.int32))]), x]))
+    false_branch = su.Builder(m, 2, "false_branch")
+    x = false_branch.parameter(vec)
+    loop = false_branch.op("while", [false_branch.tuple(
+        [false_branch.constant(np.array(0, np.int32)), x])], state, called=[5, 6])
+    false_branch.root(false_branch.op("get-tuple-element", [loop], vec, index=1))
+
+    inner = su.Builder(m, 3, "inner")
+    x, p = inner.parameter(vec), inner.parameter(pred)
+    inner.root(inner.op("conditional", [p, x, x], vec, called=[1, 2]))
+
+    main = su.Builder(m, 0, "main")
+    x, p = main.parameter(vec), main.parameter(pred)
+    main.op("call", [x, p], vec, called=[3])  # its result is never read
+    main.root(main.op("add", [x, x]))
+    return m
+
+
+@pytest.mark.parametrize("taken, expected", [(True, 1), (False, 2)])
+def test_an_outfeed_in_unread_control_flow_still_runs(taken: bool, expected: int) -> None:
+    """A conditional branch or loop body that talks to the host is not dead code, though
+    nothing reads its result (a Graphcore outfeed enqueue inside ``tf.cond``/``while``): the
+    true branch enqueues once, the false branch's loop twice."""
+    from device_server.emulator import cancel
+
+    exe = compile_module(_outfeed_in_branch_module(), get_target("ipu2"))
+    got: list[tuple[str, list[np.ndarray]]] = []
+    token = cancel.StopToken()
+    token.outfeed = lambda feed, arrays: got.append((feed, arrays))
+    x = np.array([1.0, -2.0, 3.5], np.float32)
+    (out,) = exe.run([x, np.array(taken)], stop=token)
+    np.testing.assert_array_equal(out, x + x)
+    assert [feed for feed, _ in got] == ["seen"] * expected
+    for _, arrays in got:
+        np.testing.assert_array_equal(arrays[0], x)

@@ -72,6 +72,7 @@ from device_server.emulator.rewrites import (
     _add_into_slice,
     _broadcast_source,
     _dots_into_fused,
+    _host_computations,
     _is_identity,
     _lazy_broadcasts,
     _loop_bodies,
@@ -308,6 +309,7 @@ class _Compiler:
                 for callee in i.called_computations:
                     self.callers[callee] = self.callers.get(callee, 0) + 1
         self.repeated = _loop_bodies(module)
+        self.host_computations = _host_computations(module)
 
     def mark_in_place(self, body: ir_pb2.Computation) -> tuple[tuple[int, ...], ...]:
         """The loop-state elements (paths of tuple indices: a TensorList is itself a tuple of
@@ -425,7 +427,8 @@ class _Compiler:
             by_id[instr.id] = instr
         if comp.root_id not in by_id:
             raise InvalidProgramError(f"computation '{comp.name}': root {comp.root_id} does not exist.")
-        needed = {comp.root_id} | {i.id for i in comp.instructions if _talks_to_host(i)}
+        needed = {comp.root_id} | {i.id for i in comp.instructions
+                                   if _talks_to_host(i, self.host_computations)}
         for instr in reversed(comp.instructions):
             if instr.id in needed:
                 needed.update(instr.operands)
@@ -663,7 +666,7 @@ class _Compiler:
                 f"computation '{comp.name}': parameter numbers {sorted(params)} are not 0..{n_params - 1}."
             )
         # Steps that rewriting (reshape chains) left without users.
-        raw_steps = _used_steps(raw_steps, root_slot)
+        raw_steps = _used_steps(raw_steps, root_slot, self.host_computations)
         consts_now = {s: v for s, (v, c) in enumerate(zip(template, is_const, strict=True)) if c}
         raw_steps = self._fuse(raw_steps, slot_dims, slot_dtypes, consts_now, root_slot,
                                small=comp.id in self.repeated, new_slot=new_slot)
@@ -763,7 +766,8 @@ class _Compiler:
                               for d, s in zip(in_dtypes, in_slots, strict=True)]
             fn = fusion.fused_kernel(shape, dt, in_dims, members, jit_inputs)
             out.append((_Step(fn, tuple(in_slots), st.out), instr))
-        return _used_steps(out, root_slot)  # broadcasts only fused steps read are gone now
+        # broadcasts only fused steps read are gone now
+        return _used_steps(out, root_slot, self.host_computations)
 
     @staticmethod
     def _fuse_small(steps: list[tuple[_Step, ir_pb2.Instruction]], exprs: list[str | None],

@@ -2,6 +2,7 @@
 
     module, computation (IR)                          steps [(_Step, instr)] of a computation
       _add_into_slice   add(x, dus(0, u)) -> dus(x, ..)   _used_steps        drop unread steps
+      _host_computations  what talks to the host (never dropped)
       _loop_bodies      what runs once per iteration      _dots_into_fused   a dot inside its user
       _is_identity      ops that return their operand     _reuse_buffers     ufunc writes in place
       _sliced_operand   a slice of a concatenate          _mark_donations    writes into donated
@@ -192,21 +193,45 @@ def _loop_bodies(module: ir_pb2.Module) -> set[int]:
 
 
 def _used_steps(
-    steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int
+    steps: list[tuple[_Step, ir_pb2.Instruction]], root_slot: int,
+    host_computations: frozenset[int] = frozenset(),
 ) -> list[tuple[_Step, ir_pb2.Instruction]]:
-    """``steps`` without those whose value the result does not need."""
+    """``steps`` without those whose value the result does not need (``host_computations``:
+    see ``_talks_to_host``)."""
     needed = {root_slot}
     kept: list[tuple[_Step, ir_pb2.Instruction]] = []
     for step, instr in reversed(steps):
-        if step.out in needed or _talks_to_host(instr):
+        if step.out in needed or _talks_to_host(instr, host_computations):
             needed.update(step.ins)
             kept.append((step, instr))
     return kept[::-1]
 
 
-def _talks_to_host(instr: ir_pb2.Instruction) -> bool:
-    """An infeed or outfeed custom-call: kept even when nothing reads its result."""
-    return instr.opcode == "custom-call" and kernels.custom_call_target(instr) in _RUN_TIME_TARGETS
+def _talks_to_host(instr: ir_pb2.Instruction,
+                   host_computations: frozenset[int] = frozenset()) -> bool:
+    """An infeed or outfeed custom-call, or a ``call``, ``conditional`` or ``while`` whose
+    computations hold one (``host_computations``, from ``_host_computations``): kept even
+    when nothing reads its result."""
+    if instr.opcode == "custom-call":
+        return kernels.custom_call_target(instr) in _RUN_TIME_TARGETS
+    return instr.opcode in ("call", "conditional", "while") and any(
+        c in host_computations for c in instr.called_computations)
+
+
+def _host_computations(module: ir_pb2.Module) -> frozenset[int]:
+    """The computations that talk to the host when they run: those holding an infeed or
+    outfeed custom-call, and those calling one of them (``call``, ``conditional``,
+    ``while``), so that a branch or a loop that enqueues is never dropped as unused."""
+    found: set[int] = set()
+    changed = True
+    while changed:  # to a fixed point: a caller of a caller of ... an outfeed
+        changed = False
+        for comp in module.computations:
+            if comp.id not in found and any(
+                    _talks_to_host(i, frozenset(found)) for i in comp.instructions):
+                found.add(comp.id)
+                changed = True
+    return frozenset(found)
 
 
 def _broadcast_source(
