@@ -4,6 +4,8 @@
                                            |- SessionManager  sessions, leases, IPU pool
                                            |- ExecutableCache  sha256(module, arch, options)
                                            |    '- DiskCache     the same keys, on disk (optional)
+                                           |- compile_requests a Compile's options and array
+                                           |                   sizes checked, errors mapped
                                            '- emulator         compile_module / Executable.run
 
 Every handler runs inside ``_rpc``: a ``ServiceError`` becomes its gRPC status, any other
@@ -45,6 +47,14 @@ import grpc
 import numpy as np
 
 import device_server
+from device_server.compile_requests import (
+    check_array_sizes,
+    compile_error,
+    numerics_options,
+    pipeline_options,
+    planning_options,
+    replication_key,
+)
 from device_server.data_path import (
     DEFAULT_CHUNK_BYTES,
     Blob,
@@ -62,11 +72,9 @@ from device_server.emulator import (
     CompileOptions,
     EmulatorError,
     FloatingPointExceptionError,
-    InvalidProgramError,
     OutOfMemoryError,
     RunStopped,
     StopToken,
-    UnsupportedOpError,
     compile_module,
     executable_from_record,
     get_target,
@@ -74,7 +82,6 @@ from device_server.emulator import (
 from device_server.emulator.cancel import running
 from device_server.emulator.kernels.infeed import InfeedEnded
 from device_server.emulator.replicas import run_replicated
-from device_server.emulator.tiles.pipeline import MAX_PIPELINE_STAGES
 from device_server.executable_cache import ExecutableCache, cache_key
 from device_server.protocol import device_pb2, dtypes, hardware, ir_pb2, shm
 from device_server.protocol.chunks import parse_chunk
@@ -880,13 +887,13 @@ class DeviceService:
                     f"--allow-test-options).", kind="test-option-refused")
             fault = self.config.fault_inject_opcode or request.options.fault_inject_opcode
             allow_oom = request.options.allow_out_of_memory
-            numerics = _numerics_options(request.options)
-            planning = _planning_options(request.options)
-            pipeline = _pipeline_options(request.options, module.name)
+            numerics = numerics_options(request.options)
+            planning = planning_options(request.options)
+            pipeline = pipeline_options(request.options, module.name)
             replication = self._replication(s, request.options.replicas, module.name,
                                             pipeline.get("ipus_per_replica", 1))
             key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom,
-                            {**numerics, **_replication_key(replication), **pipeline,
+                            {**numerics, **replication_key(replication), **pipeline,
                              **{k: f"{v!r}" for k, v in planning.items()}})
             target = s.target
             options = CompileOptions(
@@ -898,19 +905,19 @@ class DeviceService:
 
             def build() -> Any:
                 if self.disk_cache is not None:
-                    _check_array_sizes(module, self.config.max_session_bytes)
+                    check_array_sizes(module, self.config.max_session_bytes)
                     exe = self._load_from_disk(key, module, target, options)
                     if exe is not None:
                         from_disk.append(True)
                         return exe
                 self.counters.add("compiles")
-                _check_array_sizes(module, self.config.max_session_bytes)
+                check_array_sizes(module, self.config.max_session_bytes)
                 try:
                     exe = compile_module(module, target, options)
                 except RunStopped:  # cancelled (_compile_stoppable says so)
                     raise
                 except Exception as e:
-                    mapped = _compile_error(e, module.name)
+                    mapped = compile_error(e, module.name)
                     if mapped is e:
                         raise
                     raise mapped from e
@@ -1525,147 +1532,3 @@ def _estimate(est: Any) -> device_pb2.Estimate:
         fits=bool(est.fits),  # False also when unknown: the report's "fits" is null then
         json=report,
     )
-
-
-def _check_array_sizes(module: ir_pb2.Module, limit: int) -> None:
-    """Refuses a module with an array larger than ``limit`` bytes (0: no limit) before the
-    emulator sees it: constant folding at compile time would allocate it."""
-    if limit <= 0:
-        return
-
-    def nbytes(shape: ir_pb2.Shape, depth: int = 0) -> int:
-        if shape.is_tuple:
-            if depth > 64:
-                raise ServiceError(_INVALID, f"Compile of module {module.name!r}: tuple shapes "
-                                   f"nested deeper than 64.", kind="invalid-program")
-            return max((nbytes(t, depth + 1) for t in shape.tuple_shapes), default=0)
-        if shape.dtype == ir_pb2.TOKEN:
-            return 0
-        try:
-            itemsize = dtypes.to_numpy(shape.dtype).itemsize
-        except ValueError:
-            return 0  # the emulator names the bad dtype
-        dims = list(shape.dims)
-        if not dims or 0 in dims or min(dims) < 0:
-            return itemsize if not dims else 0  # empty, or a bad dimension the emulator names
-        count = 1
-        for d in dims:
-            count *= d
-            if count > limit:  # stop before the product grows without bound
-                break
-        return count * itemsize
-
-    for comp in module.computations:
-        for instr in comp.instructions:
-            size = nbytes(instr.shape)
-            if size > limit:
-                raise ServiceError(
-                    _EXHAUSTED,
-                    f"Compile of module {module.name!r}: instruction {instr.name!r} "
-                    f"({instr.opcode}) makes an array of {size} bytes, more than the server "
-                    f"allows one session ({limit} bytes, --max-session-bytes).",
-                    kind="out-of-memory",
-                )
-
-
-def _numerics_options(options: device_pb2.CompileOptions) -> dict[str, Any]:
-    """The emulator ``CompileOptions`` fields for a request's numerics (partials, stochastic
-    rounding, floating-point exception checks); defaults when the request says nothing."""
-    fp = options.floating_point_behaviour
-    out: dict[str, Any] = {}
-    for name in ("matmul_partials_type", "convolution_partials_type"):
-        value = getattr(options, name)
-        if value not in ("", "float", "half"):
-            raise ServiceError(_INVALID, f"Compile: CompileOptions.{name} must be 'float' or "
-                               f"'half', not {value!r}.", kind="invalid-options")
-        out[name] = value or "float"
-    for name in ("inv", "div0", "oflo", "esr", "nanoo"):
-        out[name] = bool(getattr(fp, name))
-    out["stochastic_rounding_seed"] = int(options.stochastic_rounding_seed)
-    return out
-
-
-def _planning_options(options: device_pb2.CompileOptions) -> dict[str, float]:
-    """The emulator ``CompileOptions`` fields of PopLibs' availableMemoryProportion (only those
-    the request sets: unset is the preset's), checked to be in [0, 1]."""
-    out: dict[str, float] = {}
-    for name in ("matmul_available_memory_proportion", "convolution_available_memory_proportion"):
-        if not options.HasField(name):
-            continue
-        value = float(getattr(options, name))
-        if not 0.0 <= value <= 1.0:  # also NaN
-            raise ServiceError(_INVALID, f"Compile: CompileOptions.{name} must be in [0, 1] "
-                               f"(availableMemoryProportion), not {value!r}.",
-                               kind="invalid-options")
-        out[name] = value
-    return out
-
-
-def _pipeline_options(options: device_pb2.CompileOptions, module_name: str) -> dict[str, Any]:
-    """The emulator ``CompileOptions`` fields of a pipelined program (empty when it is not
-    pipelined), checked: a stage mapped to an IPU the replica does not span, a schedule of
-    another name, no micro-batches are refused naming the numbers."""
-    stages = int(options.pipeline_stages)
-    if stages <= 1 and not options.stage_ipus:
-        return {}
-    where = f"Compile of module {module_name!r}"
-    if stages > MAX_PIPELINE_STAGES or len(options.stage_ipus) > MAX_PIPELINE_STAGES:
-        raise ServiceError(_INVALID, f"{where}: CompileOptions.pipeline_stages must be at most "
-                           f"{MAX_PIPELINE_STAGES} (stage_ipus as many). Received: "
-                           f"pipeline_stages={stages}, {len(options.stage_ipus)} stage_ipus.",
-                           kind="invalid-options")
-    stage_ipus = tuple(int(i) for i in options.stage_ipus) or tuple(range(stages))
-    if len(stage_ipus) != stages:
-        raise ServiceError(_INVALID, f"{where}: stage_ipus {list(stage_ipus)} names {len(stage_ipus)} "
-                           f"IPUs for {stages} pipeline stages (one per stage).",
-                           kind="invalid-options")
-    per_replica = int(options.ipus_per_replica) or max(stage_ipus) + 1
-    if max(stage_ipus) >= per_replica or per_replica & (per_replica - 1):
-        raise ServiceError(_INVALID, f"{where}: a replica spans {per_replica} IPUs (a power "
-                           f"of two), so stages can be mapped to IPUs 0 .. {per_replica - 1}; "
-                           f"stage_ipus is {list(stage_ipus)}.", kind="invalid-options")
-    schedule = options.pipeline_schedule or "grouped"
-    if schedule not in ("grouped", "interleaved", "sequential"):
-        raise ServiceError(_INVALID, f"{where}: pipeline_schedule must be 'grouped', "
-                           f"'interleaved' or 'sequential', not {schedule!r}.",
-                           kind="invalid-options")
-    return {"pipeline_stages": stages, "stage_ipus": stage_ipus, "ipus_per_replica": per_replica,
-            "pipeline_schedule": schedule, "micro_batches": max(1, int(options.micro_batches)),
-            "recomputation": bool(options.recomputation),
-            **_optimizer_state_options(options, where)}
-
-
-def _optimizer_state_options(options: device_pb2.CompileOptions, where: str) -> dict[str, Any]:
-    """A pipelined program's optimizer-state placement (offload and sharding), checked."""
-    offload = options.optimizer_state_offload or "auto"
-    if offload not in ("auto", "on", "off"):
-        raise ServiceError(_INVALID, f"{where}: optimizer_state_offload must be 'auto', 'on' "
-                           f"or 'off', not {offload!r}.", kind="invalid-options")
-    return {"optimizer_state_offload": offload,
-            "optimizer_state_sharding": bool(options.optimizer_state_sharding)}
-
-
-def _replication_key(replication: dict[str, Any]) -> dict[str, Any]:
-    """What of the replication options identifies an executable (its estimate depends on
-    the system's links and the IPUs the replicas run on)."""
-    if not replication:
-        return {}
-    return {"replicas": replication["replicas"], "system": replication["system"].name,
-            "ipu_ids": ",".join(str(i) for i in replication["ipu_ids"])}
-
-
-def _compile_error(error: Exception, module_name: str) -> Exception:
-    """Maps an emulator compile error to the ``ServiceError`` the client should see."""
-    where = f"Compile of module {module_name!r}"
-    if isinstance(error, ServiceError):
-        return error
-    if isinstance(error, UnsupportedOpError):
-        return ServiceError(grpc.StatusCode.UNIMPLEMENTED, f"{where}: {error}", kind="unsupported-op")
-    if isinstance(error, OutOfMemoryError):
-        return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{where}: {error}",
-                            kind="out-of-memory")
-    if isinstance(error, (InvalidProgramError, ValueError)):
-        return ServiceError(_INVALID, f"{where}: {error}", kind="invalid-program")
-    if isinstance(error, EmulatorError):
-        return ServiceError(grpc.StatusCode.INTERNAL, f"{where}: {type(error).__name__}: {error}")
-    return error

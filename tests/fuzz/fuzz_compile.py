@@ -6,7 +6,7 @@ The input is a serialized ``device_pb2.CompileRequest`` (module and options), ha
 ``DeviceService.compile`` does for a session holding four ipu2 IPUs (tiles_per_ipu 64, so
 the tile model stays quick): the options through the service's checks, the array sizes
 through its limit (64 MiB here, not the server's 4 GiB default: the fuzzer's own memory is
-the bound), then ``compile_module``, its errors mapped by the service's ``_compile_error``.
+the bound), then ``compile_module``, its errors mapped by ``compile_requests.compile_error`` as the service maps them.
 
 Expected: an undecodable request (INVALID_ARGUMENT), a ``ServiceError`` of any code but
 INTERNAL. A finding: an error the service would map to INTERNAL (any exception other than
@@ -34,13 +34,13 @@ def load() -> None:
     import grpc
     from google.protobuf.message import DecodeError
 
-    from device_server import service
+    from device_server import compile_requests, service
     from device_server.emulator import CompileOptions, compile_module, get_target
     from device_server.executable_cache import cache_key
     from device_server.protocol import device_pb2, hardware
     from device_server.sessions import ServiceError
 
-    _mods.update(grpc=grpc, DecodeError=DecodeError, service=service,
+    _mods.update(grpc=grpc, DecodeError=DecodeError, service=service, requests=compile_requests,
                  CompileOptions=CompileOptions, compile_module=compile_module,
                  target=get_target("ipu2", tiles_per_ipu=64), device_pb2=device_pb2,
                  hardware=hardware, ServiceError=ServiceError, cache_key=cache_key)
@@ -48,15 +48,15 @@ def load() -> None:
 
 def _compile(data: bytes) -> None:
     m = _mods
-    service = m["service"]
+    service, requests = m["service"], m["requests"]
     try:
         request = m["device_pb2"].CompileRequest.FromString(data)
     except (m["DecodeError"], RecursionError):
         return  # the service's decoder refuses it: INVALID_ARGUMENT
     module, opts = request.module, request.options
-    numerics = service._numerics_options(opts)
-    planning = service._planning_options(opts)
-    pipeline = service._pipeline_options(opts, module.name)
+    numerics = requests.numerics_options(opts)
+    planning = requests.planning_options(opts)
+    pipeline = requests.pipeline_options(opts, module.name)
     replication: dict[str, Any] = {}
     replicas = max(1, int(opts.replicas))
     needed = replicas * pipeline.get("ipus_per_replica", 1)
@@ -68,11 +68,11 @@ def _compile(data: bytes) -> None:
     options = m["CompileOptions"](allow_out_of_memory=opts.allow_out_of_memory, **numerics,
                                   **planning, **replication, **pipeline)
     m["cache_key"](module, "ipu2", 64, frozenset(), "", opts.allow_out_of_memory, numerics)
-    service._check_array_sizes(module, MAX_ARRAY_BYTES)
+    requests.check_array_sizes(module, MAX_ARRAY_BYTES)
     try:
         exe = m["compile_module"](module, m["target"], options)
     except Exception as e:
-        mapped = service._compile_error(e, module.name)
+        mapped = requests.compile_error(e, module.name)
         if mapped is e:
             raise
         raise mapped from e
