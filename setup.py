@@ -31,6 +31,7 @@ OPS_LIB = "_ipu_ops.so"
 INSTALL_REQUIRES = [
     "tensorflow==2.21.0",
     "keras==3.15.1",
+    "tensorboard==2.21.0",  # tf.summary and keras.callbacks.TensorBoard (TF 2.21 does not bring it)
     "numpy==2.4.6",
     "ml_dtypes==0.6.0",
     "numba==0.68.1",

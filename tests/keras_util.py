@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 
 @contextlib.contextmanager
@@ -132,3 +133,18 @@ def stall_model(stall_at: int) -> keras.Model:
     h = keras.layers.Dense(16, activation="relu", name="dense_in")(inp)
     h = Stall(stall_at, name="stall")(h)
     return keras.Model(inp, keras.layers.Dense(1, name="dense_out")(h), name="stall_model")
+
+
+def imdb_like_dataset(seed: int, max_features: int, batch: int, maxlen: int) -> tf.data.Dataset:
+    """Generated stand-in for the IMDB reviews Graphcore's embedding examples download: 8
+    batches of padded token-id sequences with 0/1 labels (int32), repeated."""
+    from tensorflow.keras.preprocessing import sequence
+
+    rng = np.random.default_rng(seed)
+    reviews = [list(rng.integers(1, max_features, rng.integers(3, 2 * maxlen)))
+               for _ in range(8 * batch)]
+    x = sequence.pad_sequences(reviews, maxlen=maxlen)
+    y = rng.integers(0, 2, len(reviews))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+    ds = ds.map(lambda x, y: (x, tf.cast(y, tf.int32)))
+    return ds.batch(batch, drop_remainder=True)

@@ -68,8 +68,13 @@ Graphcore's single-IPU TF2 examples found, and where they are here (repository/p
   (2 replicas of a 2-IPU pipeline)
 - the model-parallelism tech note's TF2 scripts and recomputation_checkpoints/
   recompute_lstm.py: tests/test_graphcore_pipelined_examples.py
+- graphcore/keras keras/ipu/docs/exporting_pipelined_model_example.py and its two
+  preprocessing_postprocessing variants, and graphcore/tensorflow's docs/
+  exporting_pipelined_model*_example.py (``ipu.serving.export_pipeline``): also
+  tests/test_graphcore_pipelined_examples.py (``example_exporting_pipelined_model*``,
+  ``example_export_pipeline*``), each export then served by a fresh process
 
-Skipped: keras/ipu/docs example11, 12, als_example3, exporting_pipelined_*;
+Skipped: keras/ipu/docs example11, 12, als_example3;
 completed_example/main.py, tensorboard/demo.py,
 embeddings/imdb.py and imdb_sequential.py,
 popdist/*, ipu_estimator/*_replica.py and *_pipeline_*.py, abc_covid_19/ABC_IPU.py);
@@ -92,6 +97,7 @@ import tempfile
 import time
 import traceback
 
+import keras_util as ku
 import numpy as np
 import pytest
 
@@ -560,7 +566,6 @@ def _imdb(run: Run, sequential: bool) -> None:
 
     # from tensorflow.keras.datasets import imdb: the data here are made up (no network).
     from tensorflow.keras.optimizers import Adam
-    from tensorflow.keras.preprocessing import sequence
     from tensorflow.python import ipu
 
     def addons_layers():
@@ -580,17 +585,8 @@ def _imdb(run: Run, sequential: bool) -> None:
     minibatch_size = 32
     maxlen = 20
 
-    def get_dataset():
-        rng = np.random.default_rng(6)
-        reviews = [list(rng.integers(1, max_features, rng.integers(5, 40)))
-                   for _ in range(8 * minibatch_size)]
-        x_train = sequence.pad_sequences(reviews, maxlen=maxlen)
-        y_train = rng.integers(0, 2, len(reviews))
-        ds = tf.data.Dataset.from_tensor_slices((x_train, y_train))
-        ds = ds.repeat()
-        ds = ds.map(lambda x, y: (x, tf.cast(y, tf.int32)))
-        ds = ds.batch(minibatch_size, drop_remainder=True)
-        return ds
+    def get_dataset():  # the example downloads IMDB
+        return ku.imdb_like_dataset(6, max_features, minibatch_size, maxlen)
 
     def get_model():
         if sequential:

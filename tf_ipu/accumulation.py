@@ -10,7 +10,9 @@
 The accumulation is Keras's own (``optimizer.gradient_accumulation_steps``: accumulators are
 optimizer variables, the update is a conditional of the step), so it runs inside the device
 loop as any other train step, on the IPU and on the CPU alike; "sum" scales the gradients by
-the accumulation count before they reach it (Keras averages). Graphcore's rules are checked
+the accumulation count before they reach it (Keras averages); a sparse gradient (the
+``tf.IndexedSlices`` of an ``Embedding`` or a gather) has its values scaled and stays sparse,
+and Keras adds it into its dense accumulator. Graphcore's rules are checked
 when ``fit`` makes its train function: ``steps_per_execution`` is a multiple of the
 accumulation count, and so is each device call's number of steps (the steps of an epoch).
 """
@@ -135,11 +137,24 @@ def prepare(model: Any) -> None:
         unscaled = inner.apply
 
         def apply(grads: Any, trainable_variables: Any = None) -> Any:
-            scaled = [None if g is None else g * wanted for g in grads]
-            return unscaled(scaled, trainable_variables)
+            return unscaled([_scaled(g, wanted) for g in grads], trainable_variables)
 
         object.__setattr__(inner, _APPLY_ATTR, unscaled)
         object.__setattr__(inner, "apply", apply)
+
+
+def _scaled(gradient: Any, factor: int) -> Any:
+    """``gradient`` times ``factor``, keeping its kind: a dense tensor, ``None`` (no gradient),
+    or a sparse ``tf.IndexedSlices`` (an ``Embedding``'s, a gather's), whose values are scaled
+    and whose rows stay as they are (Keras accumulates and applies it sparse or dense as it
+    does without tf_ipu)."""
+    if gradient is None:
+        return None
+    import tensorflow as tf
+
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
 
 
 def log_effective_batch(model: Any, batch_size: int, replicas: int = 1) -> str:

@@ -55,6 +55,11 @@ class DeviceError(Exception):
         ...     print(e.code, e.message, e.address)
     """
 
+    #: Raised while a user's ``tf.function`` is traced (a program lowered, compiled or refused
+    #: inside it), it reaches the user as it is: autograph would otherwise re-raise it as a
+    #: ``StagingError`` carrying only its text.
+    ag_pass_through = True
+
     def __init__(self, code: str, message: str, address: str = "", kind: str = "") -> None:
         self.code = code
         self.message = message

@@ -33,6 +33,7 @@ from tensorflow.compiler.tf2xla.python import xla
 from device_server.protocol import DEVICE_LOOP_NAME, INFEED_TARGET
 from tf_ipu import accumulation, errors, feeds, interrupt, notices, pipelining, replication
 from tf_ipu.lowering.program import LoweredProgram, call_lowered, lower_function
+from tf_ipu.summaries import refuse_summaries
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 #: Up to this many steps per call, the infeed pulls its batches with straight-line code.
@@ -843,9 +844,10 @@ class IPUStepFunction:
             return one_step(flat, 0)
 
         with strategy.lowering(replicas), feeds.scratch_trace():
-            out_spec = tf.function(scratch_step).get_concrete_function(
-                *specs[1:]
-            ).structured_outputs
+            scratch = tf.function(scratch_step).get_concrete_function(*specs[1:])
+        # tf.summary calls in the step (traced under a default writer): an error naming them.
+        refuse_summaries(scratch.graph, f"{getattr(model, 'name', 'model')}/{kind}_function")
+        out_spec = scratch.structured_outputs
         flat_spec = tf.nest.flatten(out_spec)
 
         def device_loop(n_steps: tf.Tensor, *flat_stacked: tf.Tensor) -> Any:

@@ -189,10 +189,14 @@ def lower_function(
     # calls strategy.run): the program is then embedded in the outer graph. (No init_scope:
     # it would pause gradient tapes, and train steps need them.)
     from tf_ipu import feeds
+    from tf_ipu.summaries import refuse_summaries
 
     try:
         with feeds.device_program():  # outfeed enqueues check what the device can send
             concrete = jf.get_concrete_function(*arg_specs)
+            # tf.summary calls traced into the device program: an error naming each one
+            # (XLA's own would name nothing).
+            refuse_summaries(concrete.graph, name)
             hlo = jf.experimental_get_compiler_ir(*arg_specs)(stage="hlo_serialized")
     except (ValueError, tf.errors.OpError) as e:
         refused = _not_compilable(str(e), name)
