@@ -74,10 +74,14 @@ Graphcore's single-IPU TF2 examples found, and where they are here (repository/p
   tests/test_graphcore_pipelined_examples.py (``example_exporting_pipelined_model*``,
   ``example_export_pipeline*``), each export then served by a fresh process
 
-Skipped: keras/ipu/docs example11, 12, als_example3;
-completed_example/main.py, tensorboard/demo.py,
-embeddings/imdb.py and imdb_sequential.py,
-popdist/*, ipu_estimator/*_replica.py and *_pipeline_*.py, abc_covid_19/ABC_IPU.py);
+Elsewhere: keras/ipu/docs example11 (a subclassed model's pipeline):
+tests/test_pipelining_subclassed.py; tensorboard/demo.py: tests/test_tensorboard.py;
+embeddings/imdb.py: tests/test_accumulation_sparse.py; abc_covid_19/ABC_IPU.py:
+tests/test_outfeed_control_flow.py.
+
+Skipped: keras/ipu/docs example12, als_example3; completed_example/main.py,
+embeddings/imdb_sequential.py, popdist/* (tf-ipu-run runs instances, issue 27),
+ipu_estimator/*_replica.py and *_pipeline_*.py;
 ``tf.compat.v1`` / estimator ones (ipu_estimator/cifar10_ipu_estimator.py,
 recompilation/recompilation.py); SDK 2's ``ipu.keras.Sequential`` / ``ipu.keras.layers`` ones
 (code_examples/tensorflow2/mnist/mnist.py, shakespeare/shakespeare.py,

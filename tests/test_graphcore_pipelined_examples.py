@@ -21,13 +21,31 @@ Graphcore's examples found, and where they are here:
   (``example_training_pipelining_sequential``)
 - graphcore/examples tutorials/feature_examples/tensorflow2/recomputation_checkpoints/
   recompute_lstm.py: ``example_recompute_lstm``
+- graphcore/keras keras/ipu/docs/exporting_pipelined_model_example.py,
+  exporting_pipelined_model_preprocessing_postprocessing_example.py and
+  exporting_pipelined_model_preprocessing_postprocessing_cpu_example.py (pipelined Keras
+  models exported with ``model.export_for_ipu_serving``): ``example_exporting_pipelined_model``
+  (``_ipu_processing``, ``_cpu_processing``)
+- graphcore/tensorflow tensorflow/compiler/plugin/poplar/docs/exporting_pipelined_model_example.py,
+  exporting_pipelined_model_preprocessing_postprocessing_example.py and
+  exporting_pipelined_model_preprocessing_postprocessing_cpu_example.py, their TF2 versions
+  (stage functions exported with ``ipu.serving.export_pipeline``):
+  ``example_export_pipeline`` (``_ipu_processing``, ``_cpu_processing``)
 - (the Keras tutorial's completed_demo_pipelining.py and keras/ipu/docs example7..9 run in
   tests/test_graphcore_examples.py)
+
+The exporting examples' SavedModels are then loaded by ONE fresh process (``_LOADER``: only
+``import tf_ipu``, nothing configured) after the examples ran; it attaches the IPUs each
+pipeline needs and serves it, compared with the same computation on the CPU (plain Keras, or
+the stage functions in plain TF) within ``EXPORT_TOLERANCE`` (1e-6 relative L2):
+``test_exported_example_serves_in_a_fresh_process``. The examples' host preprocessing steps
+draw uniform samples for words other than "graphcore": their documented calls are checked
+for the range those give, and the fresh process is fed "graphcore" everywhere.
 
 Not here: inspecting_tensors/mnist.py's pipelined models (its OutfeedOptimizer outfeeds
 accumulated gradients through a ``tf.compat.v1`` optimizer wrapper), ipu_estimator's
 cifar10_ipu_pipeline_estimator.py (``tf.compat.v1`` estimator), popdist_inference.py
-(PopDist), keras/ipu/docs exporting_pipelined_*.
+(PopDist); the TF1 versions of graphcore/tensorflow's exporting examples (``tf.Session``).
 
 The in-process tests below: ``recomputation_checkpoint`` / ``RecomputationCheckpoint`` (the
 identity everywhere; in the IR a marked instruction; the tile model's stash and recompute
@@ -395,6 +413,408 @@ def example_recompute_lstm(run: Run) -> None:
     run.arrays("weights", model.get_weights(), reference.get_weights())
 
 
+# -- exporting pipelines for serving (Graphcore's user guides' exporting_pipelined_*) ----------
+
+#: The exports the examples made, each loaded and called by ONE fresh process after the
+#: examples ran (``main``: ``_LOADER``), which prints a ``GCLOAD`` line per export.
+_FRESH: list[dict] = []
+#: Served values against the CPU's: relative L2 (the ops are float32 adds, multiplies, abs
+#: and sums of small integers and uniform samples: exact on both sides up to summation order).
+EXPORT_TOLERANCE = 1e-6
+
+
+def _serve_fresh(name: str, path: str, feed: dict, want, layout: list) -> None:
+    """Queues the export at ``path`` for the fresh process: called with ``feed`` (by input
+    name), its first output must be ``want`` (computed on the CPU here) within
+    ``EXPORT_TOLERANCE``, its program laid out as ``layout`` ([stages, stage IPUs, replicas,
+    IPUs]), and the process must have attached those IPUs by itself."""
+    _FRESH.append({"name": name, "path": path, "layout": layout,
+                   "want": np.asarray(want, np.float64).tolist(),
+                   "feed": {k: (np.asarray(v).tolist(), "str" if np.asarray(v).dtype.kind
+                                in "US" else str(np.asarray(v).dtype)) for k, v in feed.items()}})
+
+
+def _saved_model_directory() -> str:
+    """The example's ``saved_model_directory`` (theirs is ./my_saved_model_ipu/0NN): new."""
+    return os.path.join(tempfile.mkdtemp(prefix="gcpx_saved_model_"), "model")
+
+
+def _keras_pipelined_export(run: Run, name: str, variant: str) -> None:
+    """graphcore/keras keras/ipu/docs' three exporting_pipelined_model examples (see their
+    wrappers below): a functional model in PipelineStage scopes with
+    ``set_pipelining_options(device_mapping=...)``, ``compile(steps_per_execution=16)``,
+    ``model.export_for_ipu_serving(dir[, preprocessing_step, postprocessing_step])``, the
+    returned function called as the example does. The CPU reference: the same model built
+    without stages in plain Keras, outside the strategy."""
+    import keras
+    import tensorflow as tf
+    from tensorflow.python import ipu
+
+    saved_model_directory = _saved_model_directory()
+    batch_size = 1
+    input_shape = (batch_size, 6 if variant == "cpu" else 4)
+    iterations = 16
+    ipus = 4 if variant == "ipu" else 2
+
+    preprocessing_step_signature = (tf.TensorSpec(shape=input_shape, dtype=tf.string),
+                                    tf.TensorSpec(shape=input_shape, dtype=tf.string))
+    postprocessing_step_signature = (tf.TensorSpec(shape=input_shape, dtype=np.float32),)
+
+    @tf.function(input_signature=preprocessing_step_signature)
+    def preprocessing_step(lhs_input, rhs_input):  # the _cpu_ example's, on the host
+        def transform_fn(value):
+            return tf.constant(1.0) if value == "graphcore" else tf.random.uniform(
+                shape=tuple(), dtype=np.float32)
+
+        def transform_string(value):
+            return tf.stack([tf.stack([transform_fn(elem) for elem in tf.unstack(rank1)])
+                             for rank1 in tf.unstack(value)])
+
+        return transform_string(lhs_input), transform_string(rhs_input)
+
+    @tf.function(input_signature=postprocessing_step_signature)
+    def postprocessing_step(model_result):
+        return tf.abs(model_result)
+
+    def ipu_preprocessing_step(lhs_input, rhs_input):  # the other example's, on the IPU
+        abs_layer = keras.layers.Lambda(tf.abs)
+        return abs_layer(lhs_input), abs_layer(rhs_input)
+
+    def ipu_postprocessing(model_result):
+        reduce_layer = keras.layers.Lambda(tf.reduce_sum)
+        return reduce_layer(model_result)
+
+    def build(stages: bool):
+        def stage(i):
+            return keras.ipu.PipelineStage(i) if stages else contextlib.nullcontext()
+
+        input1 = keras.layers.Input(shape=input_shape[1:], batch_size=batch_size,
+                                    name="input_1")
+        input2 = keras.layers.Input(shape=input_shape[1:], batch_size=batch_size,
+                                    name="input_2")
+        if variant == "ipu":
+            with stage(0):
+                # Graphcore passes input1_ph twice (input_2 is not used): as written.
+                lhs, rhs = ipu_preprocessing_step(input1, input1)
+            with stage(1):
+                x = keras.layers.Multiply()([lhs, rhs])
+            with stage(2):
+                x = keras.layers.Add()([x, rhs])
+            with stage(3):
+                x = ipu_postprocessing(x)
+        else:
+            with stage(0):
+                x = keras.layers.Multiply()([input1, input2])
+            with stage(1):
+                x = keras.layers.Add()([x, input2])
+        model = keras.Model(inputs=[input1, input2], outputs=x)
+        if stages:
+            model.set_pipelining_options(device_mapping=list(range(ipus)))
+        model.build([input_shape, input_shape])
+        return model
+
+    cfg = ipu.config.IPUConfig()
+    cfg.auto_select_ipus = ipus
+    if variant != "plain":
+        cfg.device_connection.enable_remote_buffers = True
+        cfg.device_connection.type = ipu.config.DeviceConnectionType.ON_DEMAND
+    reference = build(False)
+    with _configured(cfg):
+        strategy = ipu.ipu_strategy.IPUStrategy()
+        with strategy.scope():
+            model = build(True)
+            model.compile(steps_per_execution=iterations)
+        if variant == "cpu":
+            runtime_func = model.export_for_ipu_serving(
+                saved_model_directory, preprocessing_step=preprocessing_step,
+                postprocessing_step=postprocessing_step)
+        else:
+            runtime_func = model.export_for_ipu_serving(saved_model_directory)
+        strategy = ipu.ipu_strategy.IPUStrategy()
+        with strategy.scope():
+            if variant == "cpu":
+                input1_data = tf.constant(
+                    ["graphcore", "red", "blue", "yellow", "graphcore", "purple"],
+                    shape=input_shape, dtype=tf.string)
+                input2_data = tf.constant(
+                    ["apple", "banana", "graphcore", "orange", "pineapple", "graphcore"],
+                    shape=input_shape, dtype=tf.string)
+                out = np.asarray(runtime_func(input1_data, input2_data)).ravel()
+                # |x*y + y|, x and y 1 for a "graphcore", else U[0, 1): y = 1 (positions 2, 5)
+                # gives x + 1 in [1, 2); x = 1 (0, 4) gives 2y; the others x*y + y in [0, 2).
+                run.true("served values: |x*y + y| of 1s and uniform samples",
+                         out.shape == (6,) and np.all(out[[2, 5]] >= 1.0) and np.all(out < 2.0)
+                         and np.all(out >= 0.0), out)
+                everywhere = tf.constant("graphcore", shape=input_shape)
+                served = [np.asarray(runtime_func(everywhere, everywhere))]
+                ones = np.ones(input_shape, np.float32)
+                inputs = [(ones, ones)]  # x = y = 1 everywhere
+                feed = {"lhs_input": np.full(input_shape, "graphcore"),
+                        "rhs_input": np.full(input_shape, "graphcore")}
+            else:
+                served, inputs = [], []
+                for i in range(iterations):
+                    input1_data = np.ones(input_shape, dtype=np.float32) * i
+                    input2_data = np.ones(input_shape, dtype=np.float32) * 2
+                    served.append(np.asarray(runtime_func(input1_data, input2_data)))
+                    inputs.append((input1_data, input2_data))
+                feed = {"input_1": np.ones(input_shape, np.float32) * -3,
+                        "input_2": np.ones(input_shape, np.float32) * 5}
+        report = [r for r in strategy.reports if "export_for_ipu_serving" in r.name]
+        run.true(f"exported as a pipeline of {ipus} stages on {ipus} IPUs",
+                 bool(report) and (report[-1].stages, report[-1].ipus) == (ipus, ipus),
+                 [r.name for r in strategy.reports])
+    # The CPU reference, outside the strategy: plain Keras (with the host steps' abs).
+    post = np.abs if variant == "cpu" else np.asarray
+    expected = [post(reference.predict(list(pair), verbose=0)) for pair in inputs]
+    run.arrays("served values, 'graphcore' everywhere (x = y = 1)" if variant == "cpu"
+               else f"served values ({iterations} calls)", served, expected, EXPORT_TOLERANCE)
+    if variant == "cpu":
+        want = expected[0]
+    else:
+        want = reference.predict([feed["input_1"], feed["input_2"]], verbose=0)
+    _serve_fresh(name, saved_model_directory, feed, want,
+                 [ipus, list(range(ipus)), 1, ipus])
+
+
+def example_exporting_pipelined_model(run: Run) -> None:
+    """graphcore/keras keras/ipu/docs/exporting_pipelined_model_example.py (commit
+    0956895696c2dec81abe57ce5b3f97db7e0d1662): Multiply in stage 0, Add in stage 1, on 2
+    IPUs, exported, the returned function called 16 times."""
+    _keras_pipelined_export(run, "exporting_pipelined_model", "plain")
+
+
+def example_exporting_pipelined_model_ipu_processing(run: Run) -> None:
+    """graphcore/keras keras/ipu/docs/
+    exporting_pipelined_model_preprocessing_postprocessing_example.py (commit
+    b11e14993924d22a146dadd80fa2059ecd8f221e): abs (Lambda layers) in stage 0, the model in
+    stages 1 and 2, a reduce_sum Lambda in stage 3, on 4 IPUs; ON_DEMAND, remote buffers."""
+    _keras_pipelined_export(run, "exporting_pipelined_model_ipu_processing", "ipu")
+
+
+def example_exporting_pipelined_model_cpu_processing(run: Run) -> None:
+    """graphcore/keras keras/ipu/docs/
+    exporting_pipelined_model_preprocessing_postprocessing_cpu_example.py (commit
+    b11e14993924d22a146dadd80fa2059ecd8f221e): the 2-stage model exported with a host
+    preprocessing_step (strings to 1 or a uniform sample) and postprocessing_step (abs)."""
+    _keras_pipelined_export(run, "exporting_pipelined_model_cpu_processing", "cpu")
+
+
+def _stages_on_cpu(stages, x):
+    """Graphcore's stage functions one after the other in plain TF on the CPU."""
+    import tensorflow as tf
+
+    with tf.device("/CPU:0"):
+        for stage in stages:
+            x = stage(x)
+    return np.asarray(x)
+
+
+def example_export_pipeline(run: Run) -> None:
+    """graphcore/tensorflow tensorflow/compiler/plugin/poplar/docs/
+    exporting_pipelined_model_example.py (commit 1cf0f28ff7cbcea783a75553791156e68225ba8a,
+    the TF2 version): ``serving.export_pipeline([stage1, stage2], dir, iterations=16,
+    device_mapping=[0, 1], input_signature=...)`` on 2 IPUs, called 16 times."""
+    import tensorflow as tf
+    from tensorflow.python.ipu import ipu_strategy, serving
+    from tensorflow.python.ipu.config import IPUConfig
+
+    saved_model_directory = _saved_model_directory()
+
+    def stage1(x):
+        return x * 2
+
+    def stage2(x):
+        return x + 3
+
+    cfg = IPUConfig()
+    cfg.auto_select_ipus = 2
+    input_shape = (4,)
+    input_signature = (tf.TensorSpec(shape=input_shape, dtype=np.float32),)
+    iterations = 16
+    with _configured(cfg):
+        runtime_func = serving.export_pipeline([stage1, stage2], saved_model_directory,
+                                               iterations=iterations, device_mapping=[0, 1],
+                                               input_signature=input_signature)
+        strategy = ipu_strategy.IPUStrategy()
+        with strategy.scope():
+            served, expected = [], []
+            for i in range(iterations):
+                input_data = np.ones(input_shape, dtype=np.float32) * i
+                served.append(np.asarray(runtime_func(input_data)))
+                expected.append(_stages_on_cpu([stage1, stage2], input_data))
+    run.arrays(f"served values ({iterations} calls: 3 .. 33)", served, expected,
+               EXPORT_TOLERANCE)
+    run.true("numbers from 3 to 33, as the example says",
+             [float(v[0]) for v in served] == [3.0 + 2 * i for i in range(iterations)], served)
+    x = np.arange(4, dtype=np.float32) - 1.5
+    _serve_fresh("export_pipeline", saved_model_directory, {"x": x},
+                 _stages_on_cpu([stage1, stage2], x), [2, [0, 1], 1, 2])
+
+
+def example_export_pipeline_ipu_processing(run: Run) -> None:
+    """graphcore/tensorflow tensorflow/compiler/plugin/poplar/docs/
+    exporting_pipelined_model_preprocessing_postprocessing_example.py (commit
+    66ba44cd45f5eeb0a94dcdb61ea8ae51afac6a95): abs, x2, +3 and reduce_sum as four stages on
+    4 IPUs (``predict_step_signature``), ON_DEMAND, called with -i for i < 8."""
+    import tensorflow as tf
+    from tensorflow.python.ipu import config, ipu_strategy, serving
+
+    saved_model_directory = _saved_model_directory()
+
+    def preprocessing_stage(x):
+        return tf.abs(x)
+
+    def stage1(x):
+        return x * 2
+
+    def stage2(x):
+        return x + 3
+
+    def postprocessing_stage(x):
+        return tf.reduce_sum(x)
+
+    cfg = config.IPUConfig()
+    cfg.auto_select_ipus = 4
+    cfg.device_connection.enable_remote_buffers = True
+    cfg.device_connection.type = config.DeviceConnectionType.ON_DEMAND
+    input_shape = (4,)
+    predict_step_signature = (tf.TensorSpec(shape=input_shape, dtype=np.float32),)
+    iterations = 8
+    predict_step = [preprocessing_stage, stage1, stage2, postprocessing_stage]
+    with _configured(cfg):
+        runtime_func = serving.export_pipeline(predict_step, saved_model_directory,
+                                               iterations=iterations,
+                                               device_mapping=[0, 1, 2, 3],
+                                               predict_step_signature=predict_step_signature)
+        strategy = ipu_strategy.IPUStrategy()
+        with strategy.scope():
+            served, expected = [], []
+            for i in range(iterations):
+                input_data = np.ones(input_shape, dtype=np.float32) * (-1.0 * i)
+                served.append(np.asarray(runtime_func(input_data)))
+                expected.append(_stages_on_cpu(predict_step, input_data))
+    run.arrays(f"served values ({iterations} calls)", served, expected, EXPORT_TOLERANCE)
+    x = np.array([-2.5, 1.0, 0.25, -4.0], np.float32)
+    _serve_fresh("export_pipeline_ipu_processing", saved_model_directory, {"x": x},
+                 _stages_on_cpu(predict_step, x), [4, [0, 1, 2, 3], 1, 4])
+
+
+def example_export_pipeline_cpu_processing(run: Run) -> None:
+    """graphcore/tensorflow tensorflow/compiler/plugin/poplar/docs/
+    exporting_pipelined_model_preprocessing_postprocessing_cpu_example.py (commit
+    66ba44cd45f5eeb0a94dcdb61ea8ae51afac6a95): strings to 1 ("graphcore") or a uniform
+    sample in a host preprocessing_step, x2 and +3 as two stages on 2 IPUs, abs in a host
+    postprocessing_step; every signature given."""
+    import tensorflow as tf
+    from tensorflow.python.ipu import config, ipu_strategy, serving
+
+    saved_model_directory = _saved_model_directory()
+
+    @tf.function
+    def preprocessing_step(x):
+        def transform_fn(value):
+            return tf.constant(1.0) if value == "graphcore" else tf.random.uniform(
+                shape=tuple())
+
+        return tf.stack([transform_fn(elem) for elem in tf.unstack(x)])
+
+    def stage1(x):
+        return x * 2
+
+    def stage2(x):
+        return x + 3
+
+    @tf.function
+    def postprocessing_step(x):
+        return tf.abs(x)
+
+    cfg = config.IPUConfig()
+    cfg.auto_select_ipus = 2
+    cfg.device_connection.enable_remote_buffers = True
+    cfg.device_connection.type = config.DeviceConnectionType.ON_DEMAND
+    input_shape = (6,)
+    predict_step_signature = (tf.TensorSpec(shape=input_shape, dtype=np.float32),)
+    preprocessing_step_signature = (tf.TensorSpec(shape=input_shape, dtype=tf.string),)
+    postprocessing_step_signature = (tf.TensorSpec(shape=input_shape, dtype=np.float32),)
+    iterations = 10
+    predict_step = [stage1, stage2]
+    with _configured(cfg):
+        runtime_func = serving.export_pipeline(
+            predict_step, saved_model_directory, iterations=iterations, device_mapping=[0, 1],
+            predict_step_signature=predict_step_signature,
+            preprocessing_step=preprocessing_step,
+            preprocessing_step_signature=preprocessing_step_signature,
+            postprocessing_step=postprocessing_step,
+            postprocessing_step_signature=postprocessing_step_signature)
+        strategy = ipu_strategy.IPUStrategy()
+        with strategy.scope():
+            first = np.asarray(runtime_func(tf.constant(
+                ["graphcore", "is", "the", "best", "AI", "company"], dtype=tf.string)))
+            second = np.asarray(runtime_func(tf.constant(
+                ["make", "new", "AI", "breakthroughs", "with", "IPUS"], dtype=tf.string)))
+    # "graphcore" -> 1 * 2 + 3 = 5; any other word -> 2u + 3, u uniform in [0, 1).
+    run.true("served values: 5 for 'graphcore', in [3, 5) for the other words",
+             first.shape == (6,) and first[0] == 5.0 and np.all((first[1:] >= 3.0)
+                                                                  & (first[1:] < 5.0))
+             and np.all((second >= 3.0) & (second < 5.0)), [first, second])
+    words = np.array(["graphcore"] * 6)
+    _serve_fresh("export_pipeline_cpu_processing", saved_model_directory, {"x": words},
+                 np.abs(_stages_on_cpu(predict_step, np.ones(input_shape, np.float32))),
+                 [2, [0, 1], 1, 2])
+
+
+#: The fresh process: only ``import tf_ipu`` (pointed at the device server by
+#: $TF_IPU_SERVER), nothing configured; loads each export and calls its signature.
+_LOADER = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+import tf_ipu
+from tf_ipu.serving import read_requirements
+runtime = tf_ipu.get_runtime()
+for job in json.loads(sys.argv[1]):
+    record = {"name": job["name"]}
+    try:
+        loaded = tf.saved_model.load(job["path"])
+        feed = {k: tf.constant(np.asarray(v, dtype=None if d == "str" else d))
+                for k, (v, d) in job["feed"].items()}
+        result = loaded.signatures["serving_default"](**feed)
+        program = read_requirements(job["path"])["programs"][0]["program"]
+        report = [r for r in runtime.reports if r.name == program][-1]
+        record.update(output=result["output_0"].numpy().tolist(),
+                      attached=len(runtime.client.attachment.ipu_ids),
+                      report=[report.stages, list(report.details.get("stage_ipus") or [0]),
+                              report.replicas, report.ipus])
+    except Exception as e:  # noqa: BLE001
+        record["error"] = f"{type(e).__name__}: {e}"[-3000:]
+    print("GCLOAD " + json.dumps(record), flush=True)
+"""
+
+
+def _load_in_fresh_process() -> None:
+    """Runs ``_LOADER`` on the queued exports; prints its GCLOAD lines (each with what the
+    export must give), or one per export saying why the process failed."""
+    if not _FRESH:
+        return
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", _LOADER, json.dumps(_FRESH)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    loaded = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("GCLOAD "):
+            record = json.loads(line[len("GCLOAD "):])
+            loaded[record["name"]] = record
+    for job in _FRESH:
+        record = loaded.get(job["name"]) or {
+            "name": job["name"],
+            "error": f"the fresh process (exit {done.returncode}) reported nothing: "
+                     f"{done.stderr[-3000:]}"}
+        record.update(want=job["want"], layout=job["layout"])
+        print("GCLOAD " + json.dumps(record), flush=True)
+    _FRESH.clear()
+
+
 EXAMPLES = {name[len("example_"):]: fn for name, fn in sorted(globals().items())
             if name.startswith("example_")}
 
@@ -412,6 +832,7 @@ def main(names: list[str]) -> None:
         tempfile.tempdir = scratch
         for name in names or list(EXAMPLES):
             _run_one(name)
+        _load_in_fresh_process()  # the exports the examples made, in one fresh process
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +851,11 @@ def results(device_server, request):
         if line.startswith("GCEX "):
             record = json.loads(line[5:])
             found[record["name"]] = record
+    for line in done.stdout.splitlines():  # after the examples: their exports, loaded afresh
+        if line.startswith("GCLOAD "):
+            record = json.loads(line[len("GCLOAD "):])
+            if record["name"] in found:
+                found[record["name"]]["fresh_process"] = record
     return found, done
 
 
@@ -443,6 +869,29 @@ def test_pipelined_example_runs_as_graphcore_wrote_it(results, name):
     record = _result(results, name)
     assert record["ok"], record.get("error")
     assert record["gaps"] == {}, record["gaps"]
+
+
+EXPORTS = [n for n in EXAMPLES if n.startswith(("exporting_pipelined", "export_pipeline"))]
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_exported_example_serves_in_a_fresh_process(results, name):
+    """The example's export, loaded by a process that only imported tf_ipu and configured
+    nothing: it attached the IPUs the pipeline needs, ran it laid out as exported, and
+    served what the CPU computes (``EXPORT_TOLERANCE`` relative L2)."""
+    record = _result(results, name)
+    assert record["ok"], record.get("error")
+    fresh = record.get("fresh_process")
+    assert fresh is not None, "the example queued no export for the fresh process"
+    assert "error" not in fresh, fresh["error"]
+    stages, stage_ipus, replicas, ipus = fresh["layout"]
+    assert fresh["report"] == [stages, stage_ipus, replicas, ipus]
+    assert fresh["attached"] >= ipus
+    got = np.asarray(fresh["output"], np.float64)
+    want = np.asarray(fresh["want"], np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.linalg.norm(got - want) <= EXPORT_TOLERANCE * max(np.linalg.norm(want), 1.0), \
+        (got, want)
 
 
 if __name__ == "__main__":

@@ -233,9 +233,10 @@ class DeviceRuntime:
         return self._client is not None
 
     def replication_factor(self) -> int:
-        """How many replicas a device program runs as: one per IPU the configuration asks
-        for (``select_ipus`` or ``auto_select_ipus``), as Graphcore derives it for a model
-        on one IPU (pipelined models, whose replica spans several IPUs, come with issue 14).
+        """The IPUs the user's configuration attaches (``select_ipus`` or
+        ``auto_select_ipus``): the replicas of a program on one IPU, as Graphcore derives
+        them. A pipelined program's replica spans several IPUs, so its callers divide this by
+        the IPUs one replica spans (``tf_ipu.replication.replicas_for``, the serving exports).
         Configures the system first if it is not. Without a configuration from the user, 1
         (IPUs attached for a loaded program that needs more, ``_attach_for``, are its own)."""
         if self._config is None:

@@ -1,5 +1,6 @@
 """Exporting models for serving: Graphcore's ``model.export_for_ipu_serving`` and
-``ipu.serving.export_keras`` / ``export_single_step``, on this project's serving path.
+``ipu.serving.export_keras`` / ``export_single_step`` / ``export_pipeline``, on this
+project's serving path.
 
     model.export_for_ipu_serving(export_dir, batch_size, output_names,
                                  preprocessing_step, postprocessing_step, ...)
@@ -28,6 +29,10 @@ exporting process attached (``IPUConfig.auto_select_ipus``), as for its ``predic
            the attached IPUs / that many replicas (one request a call: one micro-batch)
     model on one IPU
         -> one replica per attached IPU, each computing the request (replica 0's answers)
+
+``export_pipeline(computational_stages, ...)`` lays out its stage functions the same way: stage
+i on IPU ``device_mapping[i]`` of a replica (the first stage takes ``inputs`` then the fed
+values, each next one the previous one's outputs), as many replicas as the attached IPUs hold.
 
 The program's IPU count (replicas x IPUs per replica) is recorded in the IpuExecute op's
 signature (``"ipus"``), as Graphcore's exported executables carried theirs, and in
@@ -253,10 +258,11 @@ def program_sizing(lowered: LoweredProgram) -> dict[str, Any]:
 
 
 class DeviceProgram:
-    """The device program of an exported Keras model, lowered and compiled at export: a
-    pipelined model's stages on their IPUs (``set_pipelining_options(device_mapping=...)``),
-    as many replicas of it (or of a model on one IPU) as the configured IPUs hold; its IPU
-    count is recorded in the program's signature, for the process that loads the export.
+    """The device program of an exported Keras model (or of ``export_pipeline``'s stage
+    functions), lowered and compiled at export: a pipelined model's stages on their IPUs
+    (``set_pipelining_options(device_mapping=...)``), as many replicas of it (or of a model on
+    one IPU) as the configured IPUs hold; its IPU count is recorded in the program's
+    signature, for the process that loads the export.
 
     Attributes:
         lowered: the ``LoweredProgram`` (the IpuExecute op's program and signature).
@@ -365,6 +371,89 @@ def read_requirements(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{os.fspath(export_dir)!r} holds no {REQUIREMENTS_FILE} (assets.extra/): it was "
             f"not exported by tf_ipu's export_for_ipu_serving / ipu.serving.") from None
+
+
+def _dataset_signature(input_dataset: Any, what: str) -> list[tf.TensorSpec] | None:
+    """The specs of ``input_dataset``'s elements (None without a dataset)."""
+    if input_dataset is None:
+        return None
+    if not isinstance(input_dataset, tf.data.Dataset):
+        raise TypeError(f"{what}: input_dataset must be a tf.data.Dataset. "
+                        f"Received: input_dataset={input_dataset!r}")
+    specs = list(tf.nest.flatten(input_dataset.element_spec))
+    for i, s in enumerate(specs):
+        if not isinstance(s, tf.TensorSpec):
+            raise TypeError(f"{what}: input_dataset's element {i} is {s!r}, not a "
+                            f"tensor: only datasets of tensors give an input signature.")
+    return specs
+
+
+def _positional_count(fn: Callable[..., Any]) -> tuple[int, int] | None:
+    """How many positional arguments ``fn`` needs and takes at most (None: any number, or
+    not known)."""
+    target = getattr(fn, "python_function", fn)
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in params if p.kind in kinds]
+    return sum(p.default is inspect.Parameter.empty for p in positional), len(positional)
+
+
+def _declared(fn: Callable[..., Any], skip: int) -> list[tf.TensorSpec] | None:
+    """``fn``'s tf.function ``input_signature`` without its first ``skip`` specs (arguments
+    given otherwise: ``export_pipeline``'s ``inputs``), if it declares one."""
+    declared = _step_signature(fn, None)
+    if declared is None:
+        return None
+    return declared[skip:] if len(declared) > skip else declared
+
+
+def _step_signatures(what: str, device_fn: Callable[..., Any], label: str,
+                     device_given: list[tf.TensorSpec] | None,
+                     dataset_sig: list[tf.TensorSpec] | None,
+                     preprocessing_step: Callable[..., Any] | None,
+                     pre_given: list[tf.TensorSpec] | None,
+                     skip: int = 0) -> tuple[list[tf.TensorSpec], list[tf.TensorSpec]]:
+    """The exported function's input signature (named) and the device function's, from
+    what was given (Graphcore's rules): without a preprocessing step the device function's
+    signature, the dataset's, or its tf.function's; with one, the preprocessing step's (given,
+    the dataset's, or its tf.function's) and the device function's (given, its tf.function's,
+    or what the preprocessing step returns). ``skip``: the device function's first arguments
+    that are not fed (``export_pipeline``'s ``inputs``): the names are those after them."""
+    if preprocessing_step is None:
+        if device_given is not None and dataset_sig is not None:
+            raise ValueError(f"{what}: give predict_step_signature or input_dataset, not "
+                             f"both (each gives {label}'s inputs).")
+        device_sig = device_given or dataset_sig or _declared(device_fn, skip)
+        if device_sig is None:
+            raise ValueError(
+                f"{what}: the inputs of {label} {_fn_name(device_fn)} are not known: "
+                f"make it a tf.function with an input_signature, or pass "
+                f"predict_step_signature or input_dataset.")
+        names = _arg_names(device_fn, skip + len(device_sig))
+        input_signature = _named(device_sig, names[skip:] if names is not None else None)
+        return input_signature, list(device_sig)
+    if pre_given is not None and dataset_sig is not None:
+        raise ValueError(f"{what}: give preprocessing_step_signature or input_dataset, "
+                         f"not both (each gives preprocessing_step's inputs).")
+    pre_specs = pre_given or dataset_sig or _step_signature(preprocessing_step, None)
+    if pre_specs is None:
+        raise ValueError(
+            f"{what}: the inputs of preprocessing_step {_fn_name(preprocessing_step)} "
+            f"are not known: make it a tf.function with an input_signature, or pass "
+            f"preprocessing_step_signature or input_dataset.")
+    input_signature = _named(pre_specs, _arg_names(preprocessing_step, len(pre_specs)))
+    device_sig = device_given or _declared(device_fn, skip)
+    if device_sig is None:  # what the preprocessing step returns
+        traced = _as_function(preprocessing_step, input_signature)
+        returned = tf.nest.flatten(traced.get_concrete_function(
+            *_unnamed(input_signature)).structured_outputs)
+        device_sig = [tf.TensorSpec(t.shape, t.dtype) for t in returned]
+    return input_signature, list(device_sig)
 
 
 # -- the serving module ----------------------------------------------------------------------
@@ -666,8 +755,6 @@ def export_single_step(
     Returns:
         The serving ``tf.function``.
     """
-    from tf_ipu.strategy import IPUStrategy
-
     what = "export_single_step"
     if not callable(predict_step):
         raise TypeError(f"{what}: predict_step must be a function (or a tf.function). "
@@ -682,58 +769,16 @@ def export_single_step(
     pre_sig = _check_signature(preprocessing_step_signature, "preprocessing_step_signature", what)
     post_sig = _check_signature(postprocessing_step_signature, "postprocessing_step_signature",
                                 what)
-    if input_dataset is not None and not isinstance(input_dataset, tf.data.Dataset):
-        raise TypeError(f"{what}: input_dataset must be a tf.data.Dataset. "
-                        f"Received: input_dataset={input_dataset!r}")
-    dataset_sig = None
-    if input_dataset is not None:
-        dataset_sig = list(tf.nest.flatten(input_dataset.element_spec))
-        for i, s in enumerate(dataset_sig):
-            if not isinstance(s, tf.TensorSpec):
-                raise TypeError(f"{what}: input_dataset's element {i} is {s!r}, not a "
-                                f"tensor: only datasets of tensors give an input signature.")
+    dataset_sig = _dataset_signature(input_dataset, what)
     names = _check_output_names(output_names, what)
 
-    if preprocessing_step is None:
-        if predict_sig is not None and dataset_sig is not None:
-            raise ValueError(f"{what}: give predict_step_signature or input_dataset, not "
-                             f"both (each gives predict_step's inputs).")
-        device_sig = predict_sig or dataset_sig or _step_signature(
-            predict_step, None)
-        if device_sig is None:
-            raise ValueError(
-                f"{what}: the inputs of predict_step {_fn_name(predict_step)} are not known: "
-                f"make it a tf.function with an input_signature, or pass "
-                f"predict_step_signature or input_dataset.")
-        input_signature = _named(device_sig, _arg_names(predict_step, len(device_sig)))
-    else:
-        if pre_sig is not None and dataset_sig is not None:
-            raise ValueError(f"{what}: give preprocessing_step_signature or input_dataset, "
-                             f"not both (each gives preprocessing_step's inputs).")
-        pre_specs = pre_sig or dataset_sig or _step_signature(
-            preprocessing_step, None)
-        if pre_specs is None:
-            raise ValueError(
-                f"{what}: the inputs of preprocessing_step {_fn_name(preprocessing_step)} "
-                f"are not known: make it a tf.function with an input_signature, or pass "
-                f"preprocessing_step_signature or input_dataset.")
-        input_signature = _named(pre_specs, _arg_names(preprocessing_step, len(pre_specs)))
-        device_sig = predict_sig or _step_signature(predict_step, None)
-        if device_sig is None:  # what the preprocessing step returns
-            traced = _as_function(preprocessing_step, input_signature)
-            returned = tf.nest.flatten(traced.get_concrete_function(
-                *_unnamed(input_signature)).structured_outputs)
-            device_sig = [tf.TensorSpec(t.shape, t.dtype) for t in returned]
+    input_signature, device_sig = _step_signatures(
+        what, predict_step, "predict_step", predict_sig, dataset_sig, preprocessing_step, pre_sig)
     _fully_defined(input_signature, what, "the exported")
     _fully_defined(device_sig, what, "predict_step's")
     path = _check_export_dir(export_dir, purge_export_dir, what)
 
-    strategy = tf.distribute.get_strategy()
-    if not isinstance(strategy, IPUStrategy):
-        strategy = IPUStrategy()
-    post_specs = None
-    if postprocessing_step is not None:
-        post_specs = _step_signature(postprocessing_step, post_sig)
+    strategy, post_specs = _strategy_and_post_specs(postprocessing_step, post_sig)
 
     def device_step(*xs: tf.Tensor) -> Any:
         return predict_step(*xs)
@@ -743,8 +788,283 @@ def export_single_step(
     if isinstance(predict_step, tf.Module):
         keep["predict_step"] = predict_step
     return _export(what, path, strategy, device_step, "predict_step",
-                   [tf.TensorSpec(s.shape, s.dtype) for s in device_sig], input_signature, names, preprocessing_step, postprocessing_step,
-                   post_specs, keep)
+                   [tf.TensorSpec(s.shape, s.dtype) for s in device_sig], input_signature, names,
+                   preprocessing_step, postprocessing_step, post_specs, keep)
+
+
+def _stage_call(stage: Callable[..., Any], values: Any) -> Any:
+    """Calls a pipeline stage with the previous stage's outputs, as Graphcore's pipeline
+    passes them: a tuple or list as positional arguments, a dict as keyword arguments, a
+    single tensor as the one argument (None: no arguments)."""
+    if values is None:
+        return stage()
+    if isinstance(values, dict):
+        return stage(**values)
+    if isinstance(values, (tuple, list)):
+        return stage(*values)
+    return stage(values)
+
+
+def _pipeline_plan(count: int, device_mapping: Any, pipeline_schedule: Any,
+                   poplar_options: Any, what: str) -> dict[str, Any]:
+    """The pipeline of ``count`` stage functions, in the form ``tf_ipu.pipelining.plan``
+    gives a Keras model's (one micro-batch a call: one request); ValueError naming a bad
+    argument."""
+    from tf_ipu import notices
+    from tf_ipu.pipelining import PipelineSchedule
+
+    if device_mapping is None:
+        mapping = list(range(count))
+    else:
+        if not isinstance(device_mapping, (list, tuple)) or not all(
+                isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0
+                for i in device_mapping):
+            raise ValueError(f"{what}: device_mapping must be a list of IPU indices (ints >= "
+                             f"0), one per stage. Received: device_mapping={device_mapping!r}")
+        mapping = [int(i) for i in device_mapping]
+        if len(mapping) != count:
+            raise ValueError(f"{what}: device_mapping {mapping} names {len(mapping)} IPUs for "
+                             f"{count} computational stages: give one IPU per stage, e.g. "
+                             f"device_mapping={list(range(count))}.")
+    schedule = PipelineSchedule.Grouped if pipeline_schedule is None else pipeline_schedule
+    if not isinstance(schedule, PipelineSchedule):
+        by_name = {s.name.lower(): s for s in PipelineSchedule}
+        if not isinstance(schedule, str) or schedule.lower() not in by_name:
+            raise ValueError(f"{what}: pipeline_schedule must be a PipelineSchedule (Grouped, "
+                             f"Interleaved, Sequential). Received: "
+                             f"pipeline_schedule={pipeline_schedule!r}")
+        schedule = by_name[schedule.lower()]
+    if poplar_options is not None:
+        if not isinstance(poplar_options, (list, tuple)) or len(poplar_options) != count:
+            raise ValueError(f"{what}: poplar_options must be a list of {count} "
+                             f"PipelineStageOptions, one per stage. Received: "
+                             f"poplar_options={poplar_options!r}")
+        notices.once(f"{what}(poplar_options)",
+                     "are accepted and do not change what the program computes (there is no "
+                     "Poplar here).")
+    ipus = max(mapping) + 1
+    return {
+        "stages": count,
+        "stage_ipus": mapping,
+        "ipus_per_replica": 2 ** int(np.ceil(np.log2(ipus))) if ipus > 1 else 1,
+        "schedule": schedule.name.lower(),
+        "micro_batches": 1,
+        "accumulation_set": False,
+        "recomputation": False,
+        "recomputation_mode": "Auto",
+        "recomputation_checkpoints": False,
+        "steps_per_execution": 1,
+        "offload": None,
+        "sharding": False,
+    }
+
+
+def _pipeline_program(stages: list[Callable[..., Any]], fixed: list[Any], strategy: Any,
+                      specs: list[tf.TensorSpec], plan: dict[str, Any], label: str,
+                      what: str) -> DeviceProgram:
+    """The stage functions lowered as one pipeline: stage i's ops on IPU ``stage_ipus[i]``
+    (traced in its stage's name scope, as a Keras model's stages are), the first stage called
+    with ``fixed`` (``inputs``) then the fed values, each next stage with the previous one's
+    outputs; as many replicas as the attached IPUs hold; compiled now."""
+    from tf_ipu import runtime
+    from tf_ipu.lowering.program import lower_function
+    from tf_ipu.pipelining import STAGE_SCOPE
+
+    strategy._ensure_configured()
+    attached = strategy.replication_factor
+    per = plan["ipus_per_replica"]
+    if attached % per:
+        raise ValueError(
+            f"{what}: {attached} IPU{' is' if attached == 1 else 's are'} attached, but the "
+            f"pipeline of {plan['stages']} stages on IPUs {plan['stage_ipus']} needs {per} IPUs "
+            f"per replica (a power of two): set IPUConfig.auto_select_ipus to a multiple of "
+            f"{per} (e.g. {per} for one replica) before configure_ipu_system().")
+    replicas = attached // per
+    shown = [f"stages={plan['stages']}"] + ([f"replicas={replicas}"] if replicas > 1 else [])
+    name = f"{label}/{what}[{', '.join(shown)}]"
+
+    def pipeline(*fed: tf.Tensor) -> Any:
+        values: Any = [*fixed, *fed]
+        for i, stage in enumerate(stages):
+            with tf.name_scope(f"{STAGE_SCOPE}{i}"):
+                values = _stage_call(stage, values)
+        return values
+
+    def replica_fn(*xs: tf.Tensor) -> Any:
+        with strategy.lowering(replicas):
+            return strategy.extended.call_for_each_replica(pipeline, args=xs)
+
+    lowered = _with_ipus(lower_function(replica_fn, _unnamed(specs), name, replicas, plan))
+    report = runtime.get_runtime().compile(lowered.program, lowered.signature)
+    program = DeviceProgram(lowered, report)
+    size = program.sizing
+    _log.info("tf_ipu: %s: %d stages on IPUs %s, %d replica%s: %d IPU%s (a process that "
+              "loads it attaches them)", what, size["stages"], size["stage_ipus"],
+              size["replicas"], "s" if size["replicas"] != 1 else "", size["ipus"],
+              "s" if size["ipus"] != 1 else "")
+    return program
+
+
+def export_pipeline(
+    computational_stages: Sequence[Callable[..., Any]],
+    export_dir: str | os.PathLike[str],
+    iterations: int,
+    inputs: Sequence[Any] | None = None,
+    device_mapping: Sequence[int] | None = None,
+    pipeline_schedule: Any = None,
+    poplar_options: Sequence[Any] | None = None,
+    name: str | None = None,
+    predict_step_signature: Signature | None = None,
+    input_dataset: tf.data.Dataset | None = None,
+    output_names: str | Sequence[str] | None = None,
+    preprocessing_step: Callable[..., Any] | None = None,
+    preprocessing_step_signature: Signature | None = None,
+    postprocessing_step: Callable[..., Any] | None = None,
+    postprocessing_step_signature: Signature | None = None,
+    purge_export_dir: bool = False,
+    *,
+    input_signature: Signature | None = None,
+    variable_initializer: Callable[..., Any] | None = None,
+) -> Any:
+    """Graphcore's ``ipu.serving.export_pipeline``: exports a pipeline of stage functions,
+    each on its IPU, as a SavedModel whose ``serving_default`` signature runs it.
+
+    The first stage takes ``inputs`` (if any) and then the exported function's inputs (or
+    what ``preprocessing_step`` returns); each next stage takes the previous stage's outputs
+    (a tuple or list as positional arguments, a dict as keyword arguments, a tensor as the
+    one argument); the last stage's outputs are the results (then ``postprocessing_step``'s).
+    Stage i runs on IPU ``device_mapping[i]`` of a replica, which spans the next power of
+    two of IPUs; the IPUs attached when it is called (``IPUConfig.auto_select_ipus``) must be
+    a multiple of that, and hold as many replicas. The program is lowered and compiled here;
+    its IPU count is recorded as for ``export_keras`` (``read_requirements``), and a process
+    that loads the SavedModel attaches those IPUs itself.
+
+    Args:
+        computational_stages: the stage functions (Python functions or tf.functions), in
+            order.
+        export_dir: a new or empty directory.
+        iterations: Graphcore's pipeline depth (``gradient_accumulation_count``: micro-batches
+            per execution), a positive int; here each call of the exported function is one
+            device call with one request, so it changes nothing else.
+        inputs: values passed to the first stage before the fed ones (not inputs of the
+            SavedModel: fixed at export, as Graphcore froze them).
+        device_mapping: the IPU of each stage; default: stage i on IPU i. Stages may share an
+            IPU.
+        pipeline_schedule: a ``PipelineSchedule`` (default ``Grouped``); it sizes the
+            program, and does not change its results.
+        poplar_options: one ``PipelineStageOptions`` per stage: accepted, with no effect.
+        name: the pipeline's name (the program's, in reports); default ``"pipeline"``.
+        predict_step_signature: the first stage's input specs (after ``inputs``); may be
+            omitted when it is a tf.function with an ``input_signature``, when
+            ``input_dataset`` gives them, or when ``preprocessing_step`` returns them.
+        input_dataset: a ``tf.data.Dataset`` whose ``element_spec`` gives the exported inputs
+            (of ``preprocessing_step`` if there is one, else of the first stage).
+        output_names, preprocessing_step, preprocessing_step_signature,
+        postprocessing_step, postprocessing_step_signature, purge_export_dir: as for
+            ``export_single_step`` (the steps run on the host, around the pipeline).
+        input_signature: the name SDK releases before 3.0 gave ``predict_step_signature``
+            (keyword only; give one of the two).
+        variable_initializer: TF1's session-based initializer: refused (ValueError), as
+            there is no session in TF2. Variables the stages read are exported with the
+            values they hold (restore a checkpoint before exporting).
+
+    Returns:
+        The serving ``tf.function`` (the SavedModel's ``predict``), callable here.
+
+    Raises:
+        ValueError: a bad argument (naming it), or fewer IPUs attached than a replica of the
+            pipeline spans.
+
+    Example:
+        >>> cfg = tf_ipu.IPUConfig(); cfg.auto_select_ipus = 2     # doctest: +SKIP
+        >>> cfg.configure_ipu_system()                             # doctest: +SKIP
+        >>> serve = ipu.serving.export_pipeline(                   # doctest: +SKIP
+        ...     [lambda x: x * 2, lambda x: x + 3], "exported", iterations=16,
+        ...     device_mapping=[0, 1], predict_step_signature=[tf.TensorSpec([4], tf.float32)])
+    """
+    what = "export_pipeline"
+    if isinstance(computational_stages, (str, bytes)) or not isinstance(
+            computational_stages, Sequence) or not computational_stages:
+        raise TypeError(f"{what}: computational_stages must be a non-empty list of functions. "
+                        f"Received: computational_stages={computational_stages!r}")
+    stages = list(computational_stages)
+    for i, stage in enumerate(stages):
+        if not callable(stage):
+            raise TypeError(f"{what}: computational_stages[{i}] must be a function (or a "
+                            f"tf.function). Received: {stage!r}")
+    if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) \
+            or iterations <= 0:
+        raise ValueError(f"{what}: iterations must be a positive int. "
+                         f"Received: iterations={iterations!r}")
+    if variable_initializer is not None:
+        raise ValueError(
+            f"{what}: variable_initializer (a function of a tf.compat.v1.Session) belongs to "
+            f"Graphcore's TF1 API; in TF2 there is no session to give it. Initialize or "
+            f"restore the variables the stages read before calling {what} (e.g. "
+            f"tf.train.Checkpoint(...).restore(path)): their values are exported.")
+    if input_signature is not None and predict_step_signature is not None:
+        raise ValueError(f"{what}: give predict_step_signature or input_signature (its "
+                         f"earlier name), not both.")
+    if predict_step_signature is None:
+        predict_step_signature = input_signature
+    if inputs is not None and (isinstance(inputs, (str, bytes))
+                               or not isinstance(inputs, (list, tuple))):
+        raise TypeError(f"{what}: inputs must be a list of values for the first stage. "
+                        f"Received: inputs={inputs!r}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"{what}: name must be a non-empty string. Received: name={name!r}")
+    _check_callable(preprocessing_step, "preprocessing_step", what)
+    _check_callable(postprocessing_step, "postprocessing_step", what)
+    predict_sig = _check_signature(predict_step_signature, "predict_step_signature", what)
+    pre_sig = _check_signature(preprocessing_step_signature, "preprocessing_step_signature", what)
+    post_sig = _check_signature(postprocessing_step_signature, "postprocessing_step_signature",
+                                what)
+    dataset_sig = _dataset_signature(input_dataset, what)
+    names = _check_output_names(output_names, what)
+    plan = _pipeline_plan(len(stages), device_mapping, pipeline_schedule, poplar_options, what)
+    fixed = [v if isinstance(v, tf.Variable) else tf.convert_to_tensor(v)
+             for v in (inputs or [])]
+
+    takes = _positional_count(stages[0])
+    if predict_sig is not None and fixed and takes is not None \
+            and len(predict_sig) > takes[1] - len(fixed):
+        predict_sig = predict_sig[len(fixed):]  # it describes ``inputs`` too (Graphcore's rule)
+    signature, device_sig = _step_signatures(
+        what, stages[0], "computational_stages[0]", predict_sig, dataset_sig,
+        preprocessing_step, pre_sig, skip=len(fixed))
+    given = len(fixed) + len(device_sig)
+    if takes is not None and not takes[0] <= given <= takes[1]:
+        count = str(takes[0]) if takes[0] == takes[1] else f"{takes[0]} to {takes[1]}"
+        raise ValueError(
+            f"{what}: the first stage {_fn_name(stages[0])} takes {count} arguments, but it "
+            f"would get {len(fixed)} from inputs and {len(device_sig)} fed ones "
+            f"({[str(s.shape) for s in device_sig]}): the signature does not match its "
+            f"arguments.")
+    _fully_defined(signature, what, "the exported")
+    _fully_defined(device_sig, what, "the first stage's")
+    path = _check_export_dir(export_dir, purge_export_dir, what)
+
+    strategy, post_specs = _strategy_and_post_specs(postprocessing_step, post_sig)
+    device_specs = [tf.TensorSpec(s.shape, s.dtype) for s in device_sig]
+    device = _pipeline_program(stages, fixed, strategy, device_specs, plan, name or "pipeline",
+                               what)
+    keep: dict[str, Any] = {f"stage_{i}": stage for i, stage in enumerate(stages)
+                            if isinstance(stage, tf.Module)}
+    return _export(what, path, strategy, device, "the pipeline", device_specs, signature,
+                   names, preprocessing_step, postprocessing_step, post_specs, keep)
+
+
+def _strategy_and_post_specs(postprocessing_step: Any, post_sig: Any) -> tuple[Any, Any]:
+    """The strategy an export compiles under (the current IPUStrategy, or a new one) and the
+    postprocessing step's argument specs (None without one)."""
+    from tf_ipu.strategy import IPUStrategy
+
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, IPUStrategy):
+        strategy = IPUStrategy()
+    if postprocessing_step is None:
+        return strategy, None
+    return strategy, _step_signature(postprocessing_step, post_sig)
 
 
 def _fn_name(fn: Any) -> str:
@@ -752,4 +1072,5 @@ def _fn_name(fn: Any) -> str:
 
 
 __all__ = ["REQUIREMENTS_FILE", "SIGNATURE_KEY", "DeviceProgram", "export_for_ipu_serving",
-           "export_keras", "export_single_step", "program_sizing", "read_requirements"]
+           "export_keras", "export_pipeline", "export_single_step", "program_sizing",
+           "read_requirements"]
