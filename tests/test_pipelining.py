@@ -318,3 +318,16 @@ def test_estimate_of_a_pipelined_model_per_ipu_and_its_time_to_train(ipu_system)
     with pytest.raises(ValueError, match="is pipelined: its micro-batches per weight update"):
         tf_ipu.estimate(model, 4, training=True, dataset_size=3200,
                         gradient_accumulation_steps_per_replica=4)
+
+
+def test_stage_scopes_are_read_from_merged_op_names():
+    """An instruction XLA made of several TF ops carries their names joined by ";": its stage
+    scope is read after a ";" as after a "/" (it was missed, and the instruction took its
+    operand's stage); a name that only contains the scope's text names no stage."""
+    from tf_ipu.lowering.stages import scoped_stage
+
+    assert scoped_stage("Exp;tf_ipu_stage_1/PartitionedCall/Exp") == 1
+    assert scoped_stage("model/tf_ipu_stage_0_1/dense/MatMul") == 0   # a scope entered twice
+    assert scoped_stage("a/tf_ipu_stage_2/b;c/tf_ipu_stage_3/d") == 3   # the innermost, last
+    assert scoped_stage("tf_ipu_stage_12x/b") is None
+    assert scoped_stage("Exp;PartitionedCall/Exp") is None

@@ -26,9 +26,11 @@ STAGE_ATTR = "pipeline_stage"
 #: The IR attribute (flag) of a recomputation checkpoint's instruction (docs/ir.md).
 CHECKPOINT_ATTR = "recomputation_checkpoint"
 # TF makes a name scope entered twice unique with a suffix: "tf_ipu_stage_0_1" is stage 0.
-_SCOPE = re.compile(r"(?:^|/)tf_ipu_stage_(\d+)(?:_\d+)?(?=/|$)")
-_CHECKPOINT = re.compile(r"(?:^|/)tf_ipu_recomputation_checkpoint(?:_\d+)?/")
-_GRADIENT = re.compile(r"(?:^|/)(?:gradient_tape|gradients)/")
+# An instruction XLA made of several TF ops has their names joined by ";"
+# ("Exp;tf_ipu_stage_1/PartitionedCall/Exp"): a scope may start after one.
+_SCOPE = re.compile(r"(?:^|[/;])tf_ipu_stage_(\d+)(?:_\d+)?(?=[/;]|$)")
+_CHECKPOINT = re.compile(r"(?:^|[/;])tf_ipu_recomputation_checkpoint(?:_\d+)?/")
+_GRADIENT = re.compile(r"(?:^|[/;])(?:gradient_tape|gradients)/")
 
 
 def is_checkpoint(instr: ir_pb2.Instruction) -> bool:
