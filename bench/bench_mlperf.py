@@ -45,6 +45,17 @@ span hosts and gateways). Each is estimated with the configuration its submissio
     evaluations are excluded).
 
     .venv/bin/python bench/run.py --only mlperf
+
+Pod64 and larger (``pods_main``; ``--only mlperf_pods``, ``--quick``: ResNet-50 only): the
+closed-division runs on IPU-POD64/128/256 and Bow Pod64/128/256 (never fitted), each at the
+configuration its log states (ResNet-50: replicas = IPUs, micro-batch and accumulation from
+the log; BERT: the IPUs, global batch and accumulation from the log, the round's Pod16
+pipeline and options, replicas = IPUs / the pipeline's IPUs, micro-batch = global batch /
+(2 x replicas x accumulation)), on the systems of device_server/protocol/hardware.py (GCL's
+hierarchical all-reduce across Pod64s: docs/tile_model.md, "Pods"), and the speed-up from the round's
+Pod16 run, estimated against measured (the issue's target: within 15%).
+
+    .venv/bin/python bench/run.py --only mlperf_pods [--quick]
 """
 
 from __future__ import annotations
@@ -475,6 +486,188 @@ def _bert_rows() -> list[dict[str, Any]]:
     return rows
 
 
+# ---- the larger pods (``python bench/run.py --only mlperf_pods``) --------------------------------
+#: Graphcore's closed-division runs on Pod64 and larger (measurements.jsonl; never fitted), each
+#: with the Pod16 run of its round that its speed-up is measured from: (round, chip, system
+#: here, the table's names of the system).
+_POD_RUNS = {
+    "resnet": (("v1.0", "ipu2", "pod64", ("IPU-POD64",)),
+               ("v1.1", "ipu2", "pod64", ("IPU-POD64",)),
+               ("v1.1", "ipu2", "pod128", ("IPU-POD128",)),
+               ("v1.1", "ipu2", "pod256", ("IPU-POD256",)),
+               ("v2.0", "bow", "bow-pod64", ("Bow Pod64", "Bow-Pod64")),
+               ("v2.0", "bow", "bow-pod128", ("Bow Pod128", "Bow-Pod128")),
+               ("v2.0", "bow", "bow-pod256", ("Bow Pod256", "Bow-Pod256"))),
+    "bert": (("v1.0", "ipu2", "pod64", ("IPU-POD64",)),
+             ("v1.1", "ipu2", "pod64", ("IPU-POD64",)),
+             ("v1.1", "ipu2", "pod128", ("IPU-POD128",)),
+             ("v2.0", "bow", "bow-pod64", ("Bow Pod64", "Bow-Pod64")),
+             ("v2.0", "bow", "bow-pod128", ("Bow Pod128", "Bow-Pod128")),
+             ("v2.0", "bow", "bow-pod256", ("Bow Pod256", "Bow-Pod256"))),
+}
+#: The issue's target for the estimated speed-up from Pod16 against the measured one.
+SPEEDUP_TARGET = 0.15
+
+
+def _measured_pod(benchmark: str, version: str, systems: tuple[str, ...]) -> dict[str, Any]:
+    """``_measured`` plus what the log states of the run's size: IPUs, hosts, global batch."""
+    m = _measured(benchmark, version, systems)
+    rows = [r for r in _table() if r.source == f"mlperf-train-{version}" and r.usable
+            and r.metric == "items_per_s" and r.params.get("benchmark") == benchmark
+            and r.params.get("division") == "closed" and r.params.get("system") in systems
+            and str(r.params.get("framework", "")).startswith(_FRAMEWORK[benchmark])]
+    for key in ("n_devices", "n_hosts", "global_batch_size"):
+        m[key] = statistics.mode(r.params[key] for r in rows)
+    return m
+
+
+def _speedup_row(what: str, version: str, system: str, base: dict[str, Any], pod: dict[str, Any],
+                 est_base: Any, est_pod: Any, tput_base: float, tput_pod: float, config: str,
+                 seconds: float) -> dict[str, Any]:
+    measured = pod["throughput"] / base["throughput"]
+    estimated = tput_pod / tput_base
+    ratio = estimated / measured
+    links = " and ".join(est_pod.all_reduce_links) or "no links"
+    gw = (est_pod.all_reduce_gw_share if hasattr(est_pod, "all_reduce_gw_share")   # TrainingEstimate
+          else est_pod.all_reduce_gw_cycles / est_pod.cycles if est_pod.cycles else 0.0)
+    print(f"  {what} {version} {system}: {config}")
+    print(f"    throughput measured {pod['throughput']:,.0f}/s (median of {pod['runs']} runs), "
+          f"estimated {tput_pod:,.0f}/s; speed-up from the round's Pod16 measured "
+          f"{measured:.2f}x, estimated {estimated:.2f}x: ratio {ratio:.3f} "
+          f"({'within' if abs(ratio - 1) <= SPEEDUP_TARGET else 'outside'} the "
+          f"{SPEEDUP_TARGET:.0%} target)   [{seconds:.0f} s to estimate]")
+    print(f"    all-reduce {est_pod.all_reduce_share:.1%} of the time per weight update, over "
+          f"{links}" + (f" ({gw:.1%} on the GW-Links)" if gw else "")
+          + f"; Pod16: {est_base.all_reduce_share:.1%}")
+    return {"benchmark": what, "round": version, "system": system, "configuration": config,
+            "measured_throughput": pod["throughput"], "estimated_throughput": tput_pod,
+            "measured_pod16_throughput": base["throughput"], "estimated_pod16_throughput": tput_base,
+            "measured_speedup": measured, "estimated_speedup": estimated, "speedup_ratio": ratio,
+            "within_target": abs(ratio - 1) <= SPEEDUP_TARGET, "runs": pod["runs"],
+            "n_devices": pod["n_devices"], "n_hosts": pod["n_hosts"],
+            "all_reduce_share": est_pod.all_reduce_share, "all_reduce_links": est_pod.all_reduce_links,
+            "all_reduce_gw_share": gw, "pod16_all_reduce_share": est_base.all_reduce_share,
+            "fits": est_pod.fits, "estimate_seconds": seconds}
+
+
+def _resnet_pod_rows() -> list[dict[str, Any]]:
+    """ResNet-50 on each larger pod and on its round's Pod16, each at the configuration its log
+    states (replicas = IPUs, micro-batch = global batch / (IPUs x accumulation)); the model of
+    an accumulation count is built once and its lowering reused across systems."""
+    import tf_ipu
+    from tf_ipu.estimate import _lowerings
+
+    models: dict[int, Any] = {}
+    planned: dict[tuple[Any, ...], Any] = {}
+
+    def est(chip: str, system: str, replicas: int, micro: int, accumulation: int) -> Any:
+        key = (chip, system, replicas, micro, accumulation)
+        if key not in planned:
+            if accumulation not in models:
+                models[accumulation] = _resnet50(accumulation)
+            planned[key] = tf_ipu.estimate(
+                models[accumulation], micro, training=True, ipu_version=chip, replicas=replicas,
+                system=system, recomputation=True, partials_type="half",
+                available_memory_proportion={"convolution": _RESNET_CONV_AMP})
+        return planned[key]
+
+    rows = []
+    with _lowerings():
+        for version, chip, system, names in _POD_RUNS["resnet"]:
+            base_system, base_names = _POD16[chip]
+            base = _measured_pod("resnet", version, base_names)
+            pod = _measured_pod("resnet", version, names)
+            t0 = time.perf_counter()
+            b = est(chip, base_system, int(base["n_devices"]), int(base["micro_batch"]),
+                    int(base["accumulation"]))
+            micro, accumulation, replicas = int(pod["micro_batch"]), int(pod["accumulation"]), int(pod["n_devices"])
+            if replicas * micro * accumulation != pod["global_batch_size"]:
+                raise RuntimeError(f"ResNet-50 {version} {system}: {replicas} x {micro} x {accumulation} "
+                                   f"is not the log's global batch {pod['global_batch_size']}")
+            e = est(chip, system, replicas, micro, accumulation)
+            config = (f"{replicas} replicas x micro-batch {micro} x {accumulation} accumulated "
+                      f"(global batch {pod['global_batch_size']:,}, {pod['n_hosts']} host(s)); "
+                      f"Pod16: {base['n_devices']} x {int(base['micro_batch'])} x "
+                      f"{int(base['accumulation'])}")
+            rows.append(_speedup_row("ResNet-50", version, system, base, pod, b, e, b.throughput,
+                                     e.throughput, config, time.perf_counter() - t0))
+    return rows
+
+
+def _bert_estimate(run: _BertRun, replicas: int, accumulation: int, system: str, micro: int) -> Any:
+    """BERT-Large as ``run`` configures it (``_bert_rows``'s options), with ``replicas``,
+    ``accumulation`` and ``micro`` packed rows per micro-batch on ``system``."""
+    import tf_ipu
+
+    model = _bert(run.placement, accumulation, run.offload, vocab=run.vocab,
+                  sharding=run.sharding, checkpoints=True)
+    return tf_ipu.estimate(model, micro, training=True, ipu_version=run.chip,
+                           replicas=replicas, system=system, recomputation=True, steps=1,
+                           available_memory_proportion={"matmul": run.amp}, partials_type="half")
+
+
+def _bert_pod_rows() -> list[dict[str, Any]]:
+    """BERT-Large on each larger pod and on its round's Pod16. The logs state the IPUs, the
+    global batch and the accumulation; the pipeline (and its options) is the round's Pod16
+    configuration (``_BERT``), so replicas = IPUs / the pipeline's IPUs and the micro-batch =
+    global batch / (sequences per row x replicas x accumulation), which must be whole (v1.0 and
+    v1.1: 1 packed row on Pod64/128, where Pod16 ran 2; v2.0: 3, as on Pod16)."""
+    rows = []
+    baselines: dict[str, tuple[Any, float]] = {}
+    for version, chip, system, names in _POD_RUNS["bert"]:
+        run = next(r for r in _BERT if r.version == version)
+        base_system, base_names = _POD16[chip]
+        base = _measured_pod("bert", version, base_names)
+        pod = _measured_pod("bert", version, names)
+        depth = len(set(_bert_layout(run.placement).ipus))
+        accumulation, replicas = int(pod["accumulation"]), int(pod["n_devices"]) // depth
+        micro, rest = divmod(int(pod["global_batch_size"]),
+                             SEQUENCES_PER_ROW * replicas * accumulation)
+        if rest or micro < 1 or replicas * depth != pod["n_devices"]:
+            raise RuntimeError(f"BERT-Large {version} {system}: the log's {pod['n_devices']} IPUs, "
+                               f"global batch {pod['global_batch_size']} and accumulation "
+                               f"{accumulation} fit no whole micro-batch of {depth}-IPU replicas")
+        t0 = time.perf_counter()
+        if version not in baselines:
+            b = _bert_estimate(run, run.replicas, run.accumulation, base_system, run.micro)
+            baselines[version] = (b, b.throughput * SEQUENCES_PER_ROW)
+        b, tput_base = baselines[version]
+        e = _bert_estimate(run, replicas, accumulation, system, micro)
+        config = (f"{replicas} replicas x a {depth}-IPU pipeline ({run.placement}), {micro} "
+                  f"packed rows x {accumulation} micro-batches (global batch "
+                  f"{pod['global_batch_size']:,} sequences, {pod['n_hosts']} host(s)); Pod16: "
+                  f"{run.replicas} replicas x {run.accumulation}")
+        rows.append(_speedup_row("BERT-Large", version, system, base, pod, b, e, tput_base,
+                                 e.throughput * SEQUENCES_PER_ROW, config, time.perf_counter() - t0))
+    return rows
+
+
+def pods_main(quick: bool = False) -> list[dict[str, Any]]:
+    """The larger pods' runs estimated beside the measured ones: the speed-up from Pod16 to
+    each pod, estimated and measured (``--quick``: ResNet-50 only)."""
+    import keras
+
+    print("Graphcore's MLPerf Training closed-division runs on Pod64 and larger (never fitted), "
+          "estimated at each log's configuration; the speed-up from the round's Pod16, estimated "
+          f"against measured (target: within {SPEEDUP_TARGET:.0%})")
+    keras.mixed_precision.set_global_policy("float16")
+    try:
+        rows = _resnet_pod_rows()
+        if not quick:
+            keras.mixed_precision.set_global_policy("float16")
+            rows += _bert_pod_rows()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    logs = [abs(math.log(r["speedup_ratio"])) for r in rows]
+    summary = {"typical": math.exp(sum(logs) / len(logs)), "worst": math.exp(max(logs)),
+               "within_target": sum(r["within_target"] for r in rows), "points": len(rows)}
+    print(f"  speed-up ratio (estimated / measured): typical {summary['typical']:.3f}x, worst "
+          f"{summary['worst']:.3f}x; {summary['within_target']} of {summary['points']} within "
+          f"{SPEEDUP_TARGET:.0%}")
+    rows.append({"summary": summary})
+    return rows
+
+
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for metric in ("throughput_ratio", "time_to_train_ratio"):
@@ -528,4 +721,7 @@ def main(quick: bool = False) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    if "--pods" in sys.argv:
+        pods_main("--quick" in sys.argv)
+    else:
+        main("--quick" in sys.argv)

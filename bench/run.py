@@ -41,6 +41,7 @@ BENCHES = {
     "pipelining": lambda quick: __import__("bench.bench_pipelining", fromlist=["main"]).main(quick),
     "calibration": lambda quick: __import__("bench.bench_calibration", fromlist=["main"]).main(quick),
     "mlperf": lambda quick: __import__("bench.bench_mlperf", fromlist=["main"]).main(quick),
+    "mlperf_pods": lambda quick: __import__("bench.bench_mlperf", fromlist=["pods_main"]).pods_main(quick),
     "onnx": lambda quick: __import__("bench.bench_onnx", fromlist=["main"]).main(quick),
     "fit_cases": lambda quick: __import__("bench.bench_fit_cases", fromlist=["main"]).main(quick),
     "fuzz": lambda quick: __import__("bench.bench_fuzz", fromlist=["main"]).main(quick),

@@ -58,7 +58,7 @@ def test_a_plain_count_of_ipus_is_linked_like_the_versions_machines():
     plain = hardware.plain_system(6, "gc200")
     assert plain.num_ipus == 6 and plain.ipu_version == "ipu2"
     assert [h.ipus for h in plain.host_links] == [(0, 1, 2, 3), (4, 5)]
-    with pytest.raises(ValueError, match="Unknown system 'dgx'; accepted: bow-pod16, bow2000"):
+    with pytest.raises(ValueError, match="Unknown system 'dgx'; accepted: bow-pod128, bow-pod16, bow-pod256"):
         hardware.get_system("dgx")
 
 
@@ -98,8 +98,8 @@ def test_ipu_config_asks_for_a_system(dss8440_server):
     from tf_ipu.runtime import local_server_args
 
     cfg = tf_ipu.IPUConfig()
-    with pytest.raises(ValueError, match="IPUConfig.system must be '' .* or one of bow-pod16"):
-        cfg.system = "pod64"
+    with pytest.raises(ValueError, match="IPUConfig.system must be '' .* or one of bow-pod128"):
+        cfg.system = "pod32"
     cfg.system = "DSS8440"
     assert cfg.system == "dss8440" and cfg.ipu_version == "ipu1"  # the system's IPUs
     assert local_server_args(cfg)[:2] == ["--system", "dss8440"]  # the embedded server's

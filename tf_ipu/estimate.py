@@ -744,6 +744,16 @@ class TrainingEstimate:
         return self.step.all_reduce_cycles / self.cycles_per_update if self.cycles_per_update > 0 else 0.0
 
     @property
+    def all_reduce_links(self) -> list[str]:
+        """The links the all-reduce crosses: IPU-Links, and GW-Links across Pod64s."""
+        return self.step.all_reduce_links
+
+    @property
+    def all_reduce_gw_share(self) -> float:
+        """The GW-Link part of the all-reduce's share of the time per weight update (0..1)."""
+        return self.step.all_reduce_gw_cycles / self.cycles_per_update if self.cycles_per_update > 0 else 0.0
+
+    @property
     def effective_batch(self) -> int:
         """Items per weight update: batch x N x replicas."""
         return self.step.items_per_call * self.gradient_accumulation_steps_per_replica \
@@ -879,7 +889,10 @@ class TrainingEstimate:
         line = (f"{s.program or 'program'} on {self.configuration()}: "
                 f"{self.throughput:,.1f} items/s, {self.seconds * 1e3:.3f} ms per micro-batch, "
                 f"{self.seconds_per_update * 1e3:.3f} ms per weight update (all-reduce "
-                f"{self.all_reduce_share:.1%} of it); peak tile {self.peak_tile} "
+                f"{self.all_reduce_share:.1%} of it"
+                + (f", over {' and '.join(self.all_reduce_links)}" if self.all_reduce_links else "")
+                + (f", {self.all_reduce_gw_share:.1%} on the GW-Links" if self.all_reduce_gw_share else "")
+                + f"); peak tile {self.peak_tile} "
                 f"{self.peak_tile_bytes:,} B of {s.tile_bytes_limit:,} B"
                 + (" with the accumulators" if self.accumulating else "")
                 + verdict_text(self))
@@ -903,7 +916,8 @@ class TrainingEstimate:
             "weight_update_cycles": self.weight_update_cycles,
             "cycles_per_update": self.cycles_per_update, "seconds_per_update": self.seconds_per_update,
             "cycles": self.cycles, "seconds": self.seconds, "throughput": self.throughput,
-            "all_reduce_share": self.all_reduce_share, "effective_batch": self.effective_batch,
+            "all_reduce_share": self.all_reduce_share, "all_reduce_links": self.all_reduce_links,
+            "all_reduce_gw_share": self.all_reduce_gw_share, "effective_batch": self.effective_batch,
             "peak_tile": self.peak_tile, "peak_tile_bytes": self.peak_tile_bytes, "fits": self.fits,
             "within_margin": self.within_margin, "precision": self.precision, "optimizer": self.optimizer,
             "dataset_size": self.dataset_size, "epochs": self.epochs, "steps": self.steps,

@@ -2,12 +2,17 @@
 
     version   "ipu1" (GC2) | "ipu2" (GC200) | "bow" (Bow; Poplar: "ipu21")            VERSIONS
     system    "c2" | "dss8440" | "m2000" | "bow2000" | "pod16" | "bow-pod16"          SYSTEMS
+              | "pod64" | "pod128" | "pod256" | "bow-pod64" | "bow-pod128" | "bow-pod256"
               (or plain_system(n, version) for ``--ipus N``)
 
     a system:  IPU 0 ══ IPU 1        ══  IPU-Links between a pair of IPUs (Link: bytes/s
                  ║        ║              each way, latency per transfer)
                IPU 2 ══ IPU 3        host links: one per group of IPUs that shares it
                  └── host link ──┘   (HostLink: a C2 card's PCIe, an M2000's gateway)
+
+    a pod of Pod64s:  Pod64 #0 (16 machines, IPU-Link torus) ══GW-Links══ Pod64 #1 ...
+                      ``pods``: the IPU-Link domains (IPUs 64p .. 64p+63); between them only
+                      the machines' GW-Links (``GwLink``: bytes/s each way per machine)
 
 This module is the one place where versions and systems are named: the client's IPUConfig,
 the server's ``--ipu-version`` / ``--system`` flags and the emulator's presets
@@ -23,7 +28,7 @@ import collections
 from dataclasses import dataclass, field
 
 __all__ = [
-    "SYSTEMS", "VERSIONS", "HostLink", "IpuVersion", "Link", "System", "canonical_version",
+    "SYSTEMS", "VERSIONS", "GwLink", "HostLink", "IpuVersion", "Link", "System", "canonical_version",
     "get_system", "plain_system",
 ]
 
@@ -80,6 +85,18 @@ class HostLink:
 
 
 @dataclass(frozen=True)
+class GwLink:
+    """The GW-Links of one IPU-Machine (through its IPU-Gateway), joining its Pod64 to others."""
+
+    ports: int              # GW-Link ports per machine
+    line_bytes_per_s: float     # each port's line rate, each way
+    bytes_per_s: float      # what a machine moves to other pods, each way (all ports, after
+                            # the efficiency and the gateway's own link to its IPUs)
+    latency_s: float        # one transfer, IPU to IPU through two gateways
+    kind: str               # "2 x 100 GbE GW-Links (direct cables)", "... (switched)"
+
+
+@dataclass(frozen=True)
 class System:
     """A named set of IPUs of one version, its IPU-Link graph and its host links."""
 
@@ -93,9 +110,17 @@ class System:
     assumptions: tuple[str, ...] = ()
     streaming_memory_bytes: int = 0            # per IPU, the DRAM beside it (0: none)
     streaming_memory_bytes_per_s: float = 0.0  # per IPU, each way
+    machines: int = 0          # IPU-Machines (M2000 / Bow-2000); 0: not built of machines
+    hosts: int = 1             # host servers
+    pods: tuple[tuple[int, ...], ...] = ()    # IPU-Link domains (Pod64s); (): one, all IPUs
+    gw_link: GwLink | None = None              # the machines' GW-Links between the pods
     _adjacency: dict[int, dict[int, Link]] = field(default_factory=dict, compare=False, repr=False)
+    _pod_index: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        for n, pod in enumerate(self.pods):
+            for i in pod:
+                self._pod_index[i] = n
         for link in self.links:
             for i in (link.a, link.b):
                 if not 0 <= i < self.num_ipus:
@@ -105,6 +130,26 @@ class System:
         hosted = sorted(i for h in self.host_links for i in h.ipus)
         if hosted != list(range(self.num_ipus)):
             raise ValueError(f"system {self.name}: every IPU needs exactly one host link.")
+        if self.pods and sorted(i for p in self.pods for i in p) != list(range(self.num_ipus)):
+            raise ValueError(f"system {self.name}: every IPU needs exactly one pod.")
+        for link in self.links:
+            if self.pod_of(link.a) != self.pod_of(link.b):
+                raise ValueError(f"system {self.name}: IPU-Link {link} joins two pods "
+                                 "(pods are joined by GW-Links only).")
+
+    @property
+    def ipus_per_machine(self) -> int:
+        """IPUs of one machine (4 for an M2000 or Bow-2000), 0 if not built of machines."""
+        return self.num_ipus // self.machines if self.machines else 0
+
+    @property
+    def num_pods(self) -> int:
+        """IPU-Link domains (Pod64s) the system has; 1 without ``pods``."""
+        return max(1, len(self.pods))
+
+    def pod_of(self, ipu: int) -> int:
+        """The pod (IPU-Link domain) of ``ipu``; 0 without ``pods``."""
+        return self._pod_index.get(ipu, 0)
 
     @property
     def product(self) -> str:
@@ -128,6 +173,9 @@ class System:
         ValueError if no IPU-Links join them."""
         if a == b:
             return [a]
+        if self.pod_of(a) != self.pod_of(b):
+            raise ValueError(f"system {self.name}: no IPU-Links join IPU {a} (pod {self.pod_of(a)}) "
+                             f"and IPU {b} (pod {self.pod_of(b)}): the pods are joined by GW-Links only.")
         previous = {a: a}
         queue = collections.deque([a])
         while queue:
@@ -146,9 +194,15 @@ class System:
     def summary(self) -> str:
         """One line: name, IPUs, links, host links."""
         hosts = collections.Counter(h.kind for h in self.host_links)
-        return (f"{self.name}: {self.num_ipus} {self.product} IPUs, {len(self.links)} IPU-Link "
-                f"connections, host links: "
-                + ", ".join(f"{n} x {kind}" for kind, n in hosts.items()))
+        out = (f"{self.name}: {self.num_ipus} {self.product} IPUs, {len(self.links)} IPU-Link "
+               f"connections, host links: "
+               + ", ".join(f"{n} x {kind}" for kind, n in hosts.items()))
+        if self.machines:
+            out += f"; {self.machines} machines, {self.hosts} host server{'s' if self.hosts != 1 else ''}"
+        if self.num_pods > 1 and self.gw_link is not None:
+            out += (f"; {self.num_pods} Pod64s joined by {self.gw_link.kind} "
+                    f"({self.gw_link.bytes_per_s / 1e9:g} GB/s each way per machine)")
+        return out
 
 
 # ---- figures (ipu_arch.md; "derived" = arithmetic on published figures) ----------------------
@@ -169,6 +223,23 @@ _BOW_NEIGHBOUR_BYTES_PER_S = 10 * 64e9 / 2 / 3  # derived: 10 links x 512 Gbit/s
 # assumption, one DDR4-3200 channel per IPU (25.6 GB/s) at 80% of its peak.
 _STREAMING_MEMORY_BYTES_PER_IPU = int((260e9 - 3.6e9) / 4)
 _STREAMING_MEMORY_BYTES_PER_S = 20e9
+
+
+# Pods of Pod64s (ipu-pod64 / ipu-pod128 datasheets, bow-pod256 datasheet, docs.graphcore.ai
+# "Switched GW-Links in large scale Pod systems", IPU-POD DA build and test guide):
+_POD64_MACHINES = 16      # a Pod64 is 16 IPU-Machines (M2000 or Bow-2000), 64 IPUs
+_HOSTS_PER_POD64 = 1      # datasheets: 1 to 4 host servers, 1 by default; the MLPerf logs'
+                          # Pod64 / Pod128 / Pod256 runs state 1 / 2 / 4 hosts (n_hosts)
+_GW_LINK_PORTS = 2        # GW-Link ports per machine (M2000: DA build guide; Bow-2000 datasheet)
+_GW_LINK_LINE_BYTES_PER_S = 100e9 / 8   # 100 Gbit/s each way per port (100 GbE; Bow-2000 datasheet)
+_GW_LINK_EFFICIENCY = 0.85              # assumption: the IPU Model's link efficiency (Poplar)
+# The IPU-Gateway reaches its machine's IPUs over PCIe Gen4 x8 (~16 GB/s each way): secondary
+# source (vengineer.hatenablog.com, 2023-01-23, quoting the block diagram of Graphcore's BMC
+# user guide for the IPU-M2000); assumed the same on a Bow-2000.
+_GATEWAY_TO_IPUS_BYTES_PER_S = 16e9
+_GW_MACHINE_BYTES_PER_S = min(_GW_LINK_PORTS * _GW_LINK_LINE_BYTES_PER_S * _GW_LINK_EFFICIENCY,
+                              _GATEWAY_TO_IPUS_BYTES_PER_S)   # derived: 16 GB/s each way
+_GW_LINK_LATENCY_S = 10e-6   # assumption: one RoCE transfer IPU -> gateway -> gateway -> IPU
 
 
 def _ladder(num_ipus: int, rung: float, rail: float, ring: bool = False) -> tuple[Link, ...]:
@@ -213,6 +284,50 @@ def _mk2(name: str, description: str, version: str, machines: int, neighbour: fl
              "machines)",) if machines > 1 else ()),
         streaming_memory_bytes=_STREAMING_MEMORY_BYTES_PER_IPU,
         streaming_memory_bytes_per_s=_STREAMING_MEMORY_BYTES_PER_S,
+        machines=machines,
+    )
+
+
+_POD_ASSUMPTIONS = (
+    "a Pod64 is one IPU-Link torus: its 16 machines' IPUs form a ladder (IPU 2k and 2k+1 "
+    "joined, IPU i and i+2 joined) whose ends loop round (the datasheets' 2D-torus IPU-Link "
+    "topology; GCL's torus), each IPU's links shared evenly by its 3 neighbours",
+    "Pod64s are joined by GW-Links only (no IPU-Link crosses two Pod64s): each machine moves "
+    f"{_GW_MACHINE_BYTES_PER_S / 1e9:g} GB/s each way to other pods, the smaller of its "
+    f"{_GW_LINK_PORTS} x 100 Gbit/s GW-Links at {_GW_LINK_EFFICIENCY:.0%} efficiency and the "
+    "gateway's PCIe Gen4 x8 to its IPUs (a secondary source), shared evenly by its 4 IPUs",
+    f"one GW-Link transfer costs {_GW_LINK_LATENCY_S * 1e6:g} us (RoCE through two gateways); "
+    "switched GW-Links (Bow Pod256) are charged as direct ones (the switch adds no limit)",
+    f"{_HOSTS_PER_POD64} host server per Pod64 (the datasheets' default; the MLPerf runs')",
+)
+_POD_SOURCES = ("docs.graphcore.ai ipu-pod64-datasheet, ipu-pod128-datasheet, "
+                "bow-pod256-datasheet (Pod64 = 16 machines, 2D-torus IPU-Links, 1-4 hosts; "
+                "Pod128 = 2 Pod64s, Pod256 = 4, joined by GW-Links)",
+                "docs.graphcore.ai switched-gwlinks (GW-Links east/west between racks)",
+                "docs.graphcore.ai bow-2000-datasheet (GW-Link 2 x 100 Gbps)",
+                "docs.graphcore.ai IPU-POD DA build and test guide (M2000: 2 GW-Link ports, 100 GbE)",
+                "vengineer.hatenablog.com 2023-01-23 (IPU-Gateway to IPUs: PCIe Gen4 x8)")
+
+
+def _pod(name: str, description: str, version: str, pod64s: int, neighbour: float) -> System:
+    """``pod64s`` Pod64s of ``version``: each an IPU-Link torus of 64 IPUs (IPUs 64p ..
+    64p + 63), joined by the machines' GW-Links; one gateway host link per machine."""
+    per = 4 * _POD64_MACHINES
+    links = tuple(Link(link.a + p * per, link.b + p * per, link.bytes_per_s, link.latency_s)
+                  for p in range(pod64s) for link in _ladder(per, neighbour, neighbour, ring=True))
+    n = per * pod64s
+    kind = (f"{_GW_LINK_PORTS} x 100 GbE GW-Links per machine "
+            + ("(switched)" if version == "bow" and pod64s > 2 else "(direct cables)"))
+    return System(
+        name, description, version, n, links,
+        _host_links(n, 4, _GATEWAY_BYTES_PER_S, _GATEWAY_LATENCY_S, _GATEWAY),
+        _MK2_SOURCES + _POD_SOURCES, _MK2_ASSUMPTIONS + _POD_ASSUMPTIONS,
+        streaming_memory_bytes=_STREAMING_MEMORY_BYTES_PER_IPU,
+        streaming_memory_bytes_per_s=_STREAMING_MEMORY_BYTES_PER_S,
+        machines=_POD64_MACHINES * pod64s, hosts=_HOSTS_PER_POD64 * pod64s,
+        pods=tuple(tuple(range(p * per, (p + 1) * per)) for p in range(pod64s)),
+        gw_link=GwLink(_GW_LINK_PORTS, _GW_LINK_LINE_BYTES_PER_S, _GW_MACHINE_BYTES_PER_S,
+                       _GW_LINK_LATENCY_S, kind),
     )
 
 
@@ -240,6 +355,18 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
          _GC200_NEIGHBOUR_BYTES_PER_S),
     _mk2("bow-pod16", "Bow Pod16: 4 Bow-2000, 16 Bow IPUs, one host", "bow", 4,
          _BOW_NEIGHBOUR_BYTES_PER_S),
+    _pod("pod64", "IPU-POD64: 16 IPU-M2000, 64 GC200 IPUs in an IPU-Link torus, one host",
+         "ipu2", 1, _GC200_NEIGHBOUR_BYTES_PER_S),
+    _pod("pod128", "IPU-POD128: 2 IPU-POD64 joined by GW-Links, 128 GC200 IPUs, 2 hosts",
+         "ipu2", 2, _GC200_NEIGHBOUR_BYTES_PER_S),
+    _pod("pod256", "IPU-POD256: 4 IPU-POD64 joined by GW-Links, 256 GC200 IPUs, 4 hosts",
+         "ipu2", 4, _GC200_NEIGHBOUR_BYTES_PER_S),
+    _pod("bow-pod64", "Bow Pod64: 16 Bow-2000, 64 Bow IPUs in an IPU-Link torus, one host",
+         "bow", 1, _BOW_NEIGHBOUR_BYTES_PER_S),
+    _pod("bow-pod128", "Bow Pod128: 2 Bow Pod64 joined by GW-Links, 128 Bow IPUs, 2 hosts",
+         "bow", 2, _BOW_NEIGHBOUR_BYTES_PER_S),
+    _pod("bow-pod256", "Bow Pod256: 4 Bow Pod64 joined by switched GW-Links, 256 Bow IPUs, "
+         "4 hosts", "bow", 4, _BOW_NEIGHBOUR_BYTES_PER_S),
 )}
 
 

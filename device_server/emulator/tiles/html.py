@@ -654,7 +654,13 @@ def render_html(report: dict[str, Any]) -> str:
                            f"{float(r.get('all_reduce_cycles', 0)) / cycles:.1%} of the call; ring "
                            f"{' > '.join(map(str, ring.get('ipus', [])))} at "
                            f"{float(ring.get('bytes_per_s', 0)) / 1e9:,.1f} GB/s, "
-                           f"{float(ring.get('step_latency_s', 0)) * 1e6:.2f} us per step"),
+                           f"{float(ring.get('step_latency_s', 0)) * 1e6:.2f} us per step; crosses "
+                           f"{' and '.join(ring.get('links', ['IPU-Links']))}"
+                           + (f"; then across {len(ring['gw']['pods'])} Pod64s over the GW-Links "
+                              f"at {float(ring['gw']['bytes_per_s']) / 1e9:,.1f} GB/s a pod, "
+                              f"{_fmt_s(float(r.get('all_reduce_gw_cycles', 0)) / clock)} "
+                              f"({float(r.get('all_reduce_gw_cycles', 0)) / cycles:.1%} of the call)"
+                              if ring.get("gw") else "")),
             ("replica syncs", f"{int(r.get('replica_syncs', 0)):,} per call, "
                               f"{_fmt_s(float(r.get('replica_sync_cycles', 0)) / clock)}"),
             ("host link", f"{link.get('kind', '')}: {link.get('replicas', 1)} replica(s) on it, "

@@ -16,6 +16,17 @@ one per IPU of a system (``protocol.hardware.System``), and meet at ``tf_ipu_all
       step_sync_s      = external sync (below) + GCL_STEP_OVERHEAD_S (assumption)
     external sync (each call, each trip of a device loop) = target sync_cycles
                          + 2 x the hop latency of the longest path between the replicas' IPUs
+                         (+ 2 x the GW-Link latency when they span several Pod64s)
+
+    replicas spanning several Pod64s (hardware.System.pods, joined by GW-Links only): GCL's
+    hierarchical all-reduce, syncful over the IPU-Links, syncless over the GW-Links
+    ("Hybrid"): reduce-scatter within each pod (ring of its r replicas), all-reduce of the
+    1/r shards across the P pods over the GW-Links, all-gather within each pod:
+      seconds = 2 (r - 1) / r x B / ring_bytes_per_s + 2 (r - 1) x step_latency_s   IPU-Links
+              + 2 (P - 1) / P x B / gw_bytes_per_s   + 2 (P - 1) x gw_step_s        GW-Links
+      gw_bytes_per_s = r x (a machine's GW-Link bytes/s each way / its IPUs)   (a pod's IPUs
+                       each send their shard's traffic through their machine's gateway)
+      gw_step_s      = GW-Link latency + GCL_STEP_OVERHEAD_S (no external sync: syncless)
     host transfers: a host link shared by n replicas carries n x the bytes (latency once per
     direction); a call waits for its most loaded host link
 
@@ -25,6 +36,7 @@ Every figure is named here, or comes from the system (``hardware.py``) and the t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +44,8 @@ from device_server.emulator.arch import Target
 from device_server.emulator.tiles import cycles as cyc
 from device_server.protocol import hardware
 
-__all__ = ["GCL_STEP_OVERHEAD_S", "HostLinkLoad", "Replication", "Ring", "RingArrow",
-           "all_reduce_seconds", "check_ipu_ids", "external_sync_seconds", "host_link_load", "replication",
+__all__ = ["GCL_STEP_OVERHEAD_S", "GwStage", "HostLinkLoad", "Replication", "Ring", "RingArrow",
+           "all_reduce_parts", "all_reduce_seconds", "check_ipu_ids", "external_sync_seconds", "host_link_load", "replication",
            "ring_over", "transfer_seconds"]
 
 #: Fixed cost of one step of a ring collective beyond the links' own latency and the
@@ -55,14 +67,36 @@ class RingArrow:
 
 
 @dataclass(frozen=True)
+class GwStage:
+    """The part of a hierarchical all-reduce that crosses the GW-Links between Pod64s."""
+
+    pods: tuple[tuple[int, ...], ...]   # the replicas' IPUs in each pod they span
+    per_pod: int                # r: replicas in the fullest pod (the IPU-Link rings' size)
+    bytes_per_s: float          # one pod's GW-Link bandwidth for this collective, each way
+    step_latency_s: float       # GW-Link latency + GCL_STEP_OVERHEAD_S
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the report."""
+        return {"pods": [list(p) for p in self.pods], "per_pod": self.per_pod,
+                "bytes_per_s": self.bytes_per_s, "step_latency_s": self.step_latency_s}
+
+
+@dataclass(frozen=True)
 class Ring:
-    """The ring of a replicated program's IPUs (ascending ids) and its figures."""
+    """The ring of a replicated program's IPUs (ascending ids) and its figures; with ``gw``,
+    the ring of one pod's replicas (the slowest pod's) in a hierarchical all-reduce."""
 
     ipus: tuple[int, ...]
     arrows: tuple[RingArrow, ...]
     bytes_per_s: float          # the slowest arrow's
     step_latency_s: float       # the slowest arrow's latency + step_sync_s
     step_sync_s: float          # external sync + GCL_STEP_OVERHEAD_S
+    gw: GwStage | None = None   # the replicas span several Pod64s: the GW-Link stage
+
+    @property
+    def links(self) -> tuple[str, ...]:
+        """The kinds of link an all-reduce over this ring crosses."""
+        return ("IPU-Links", "GW-Links") if self.gw is not None else ("IPU-Links",)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the report."""
@@ -72,6 +106,8 @@ class Ring:
             "arrows": [{"from": a.src, "to": a.dst, "path": list(a.path), "hops": len(a.path) - 1,
                         "bytes_per_s": a.bytes_per_s, "latency_s": a.latency_s, "shared": a.shared}
                        for a in self.arrows],
+            "links": list(self.links),
+            **({"gw": self.gw.to_dict()} if self.gw is not None else {}),
         }
 
 
@@ -127,16 +163,67 @@ def _path_latency(system: hardware.System, path: list[int] | tuple[int, ...]) ->
     return sum(system.link(u, v).latency_s for u, v in zip(path, path[1:], strict=False))
 
 
+def _latencies_from(system: hardware.System, a: int) -> dict[int, float]:
+    """The latency of the fewest-hop path (``system.path``'s breadth-first order) from ``a``
+    to every IPU IPU-Links reach from it."""
+    out, queue = {a: 0.0}, [a]
+    for here in queue:
+        for there in system.neighbours(here):
+            if there not in out:
+                out[there] = out[here] + system.link(here, there).latency_s
+                queue.append(there)
+    return out
+
+
+def _by_pod(system: hardware.System, ipus: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """``ipus`` grouped by the pod (IPU-Link domain) holding them, pods in order."""
+    groups: dict[int, list[int]] = {}
+    for i in ipus:
+        groups.setdefault(system.pod_of(i), []).append(i)
+    return tuple(tuple(groups[p]) for p in sorted(groups))
+
+
 def _external_sync(system: hardware.System, ipus: tuple[int, ...], target: Target) -> float:
     """One sync across ``ipus``: the on-chip sync (``sync_cycles``) plus a round trip over the
     longest hop path between two of them (the IPU Model's global sync: its hops' latency
-    there and back)."""
-    longest = max((_path_latency(system, system.path(a, b))
-                   for n, a in enumerate(ipus) for b in ipus[n + 1:]), default=0.0)
-    return target.sync_cycles / target.clock_hz + 2.0 * longest
+    there and back); across several pods, plus a GW-Link round trip."""
+    longest = 0.0
+    groups = _by_pod(system, ipus)
+    for group in groups:
+        members = set(group)
+        for a in group:
+            reach = _latencies_from(system, a)
+            missing = members - reach.keys()
+            if missing:
+                system.path(a, min(missing))   # raises: no IPU-Links join them
+            longest = max([longest, *(reach[b] for b in group)])
+    gw = 2.0 * system.gw_link.latency_s if len(groups) > 1 and system.gw_link is not None else 0.0
+    return target.sync_cycles / target.clock_hz + 2.0 * longest + gw
 
 
-def _ring(system: hardware.System, ipus: tuple[int, ...], step_sync_s: float) -> Ring:
+def _ring(system: hardware.System, ipus: tuple[int, ...], target: Target) -> Ring:
+    """The ring an all-reduce over ``ipus`` runs on: within one pod, :func:`_pod_ring`;
+    across several Pod64s, the slowest pod's ring with the GW-Link stage (module docstring)."""
+    groups = _by_pod(system, ipus)
+    if len(groups) == 1:
+        return _pod_ring(system, ipus, _external_sync(system, ipus, target) + GCL_STEP_OVERHEAD_S)
+    if system.gw_link is None:
+        raise ValueError(f"system {system.name!r}: IPUs {list(ipus)} span pods that no GW-Links join.")
+    per_pod = max(len(g) for g in groups)
+    rings = [_pod_ring(system, g, _external_sync(system, g, target) + GCL_STEP_OVERHEAD_S)
+             if len(g) > 1 else None for g in groups]
+    local = [r for r in rings if r is not None]
+    if local:
+        ring = max(local, key=lambda r: all_reduce_seconds(r, len(r.ipus), float(1 << 20)))
+    else:   # one replica per pod: nothing crosses IPU-Links
+        ring = Ring((groups[0][0],), (), 0.0, 0.0, 0.0)
+    per_ipu = system.gw_link.bytes_per_s / max(1, system.ipus_per_machine)
+    gw = GwStage(groups, per_pod, min(len(g) for g in groups) * per_ipu,
+                 system.gw_link.latency_s + GCL_STEP_OVERHEAD_S)
+    return dataclasses.replace(ring, gw=gw)
+
+
+def _pod_ring(system: hardware.System, ipus: tuple[int, ...], step_sync_s: float) -> Ring:
     """The best of two rings over ``ipus`` (the faster all-reduce of 1 MiB): in ascending
     order, and the ladder's ring (even ids up, odd ids down: 0 2 4 ... 5 3 1, each arrow a
     single IPU-Link on the ladders of hardware.py, as GCL's rings on a ladder run)."""
@@ -217,14 +304,12 @@ def replication(replicas: int, system: hardware.System | str | None,
     if replicas == 1:
         return Replication(1, system, ids, target)
     sync = _external_sync(system, ids, target)   # ValueError: two IPUs no IPU-Links join
-    return Replication(replicas, system, ids, target, _ring(system, ids, sync + GCL_STEP_OVERHEAD_S),
-                       sync)
+    return Replication(replicas, system, ids, target, _ring(system, ids, target), sync)
 
 
 def ring_over(system: hardware.System, ipus: tuple[int, ...], target: Target) -> Ring:
     """The ring an all-reduce over ``ipus`` (two or more) runs on (as for replicas)."""
-    sync = _external_sync(system, ipus, target)
-    return _ring(system, ipus, sync + GCL_STEP_OVERHEAD_S)
+    return _ring(system, ipus, target)
 
 
 def external_sync_seconds(system: hardware.System, ipus: tuple[int, ...], target: Target) -> float:
@@ -242,12 +327,25 @@ def transfer_seconds(system: hardware.System, a: int, b: int, nbytes: float) -> 
     return nbytes / min(system.link(u, v).bytes_per_s for u, v in hops) + _path_latency(system, path)
 
 
-def all_reduce_seconds(ring: Ring, replicas: int, nbytes: float) -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` per replica (see module docstring)."""
+def all_reduce_parts(ring: Ring, replicas: int, nbytes: float) -> dict[str, float]:
+    """Seconds of an all-reduce of ``nbytes`` per replica on each kind of link it crosses:
+    ``{"IPU-Links": s}``, and ``"GW-Links"`` for a ring spanning Pod64s (module docstring)."""
     if replicas <= 1 or nbytes <= 0:
-        return 0.0
-    steps = 2 * (replicas - 1)
-    return steps / replicas * nbytes / ring.bytes_per_s + steps * ring.step_latency_s
+        return {link: 0.0 for link in ring.links}
+    if ring.gw is None:
+        steps = 2 * (replicas - 1)
+        return {"IPU-Links": steps / replicas * nbytes / ring.bytes_per_s
+                + steps * ring.step_latency_s}
+    r, p = ring.gw.per_pod, len(ring.gw.pods)
+    local = (2 * (r - 1) / r * nbytes / ring.bytes_per_s + 2 * (r - 1) * ring.step_latency_s
+             if r > 1 else 0.0)
+    cross = 2 * (p - 1) / p * nbytes / ring.gw.bytes_per_s + 2 * (p - 1) * ring.gw.step_latency_s
+    return {"IPU-Links": local, "GW-Links": cross}
+
+
+def all_reduce_seconds(ring: Ring, replicas: int, nbytes: float) -> float:
+    """Seconds of an all-reduce of ``nbytes`` per replica (see module docstring)."""
+    return sum(all_reduce_parts(ring, replicas, nbytes).values())
 
 
 def host_link_load(rep: Replication, bytes_in: int, bytes_out: int) -> HostLinkLoad:

@@ -123,6 +123,14 @@ REPLICA_ASSUMPTIONS = (
     "loaded one",
     "all-reduces, replica syncs and host transfers are serial with compute (nothing overlaps them)",
 )
+# Added when the replicas span several Pod64s (their all-reduce crosses GW-Links).
+POD_ASSUMPTIONS = (
+    "replicas across Pod64s: GCL's hierarchical all-reduce, a reduce-scatter on each pod's "
+    "IPU-Link ring, the shards all-reduced across the pods over the GW-Links (syncless), an "
+    "all-gather on each pod's ring; the GW-Link stage moves 2 (P - 1) / P x B bytes per pod at "
+    "its replicas' share of their machines' GW-Link bandwidth (hardware.py's named figures), "
+    "paying a GW-Link latency and the GCL step overhead per step",
+)
 
 _log = logging.getLogger(__name__)
 _TIMELINE_LIMIT = 1500
@@ -281,6 +289,28 @@ class Estimate:
         return self.all_reduce_cycles / self.cycles if self.cycles > 0 else 0.0
 
     @property
+    def all_reduce_links(self) -> list[str]:
+        """The kinds of link the all-reduces cross: ``["IPU-Links"]``, or ``["IPU-Links",
+        "GW-Links"]`` when the replicas span several Pod64s; [] without replicas."""
+        if not self.ring:
+            return []
+        return list(self.ring.get("links", ["IPU-Links"]))
+
+    @property
+    def all_reduce_gw_cycles(self) -> float:
+        """The all-reduces' cycles on the GW-Links between Pod64s (0 within one pod):
+        2 (P - 1) / P x all_reduce_bytes / the ring's GW-Link bytes/s + 2 (P - 1) GW steps per
+        all-reduce (replication.all_reduce_parts; for a pipeline, every stage's bytes on the
+        first stage IPU's ring: an upper bound), at most ``all_reduce_cycles``."""
+        gw = self.ring.get("gw") if self.ring else None
+        if not gw or not self.all_reduces:
+            return 0.0
+        p = len(gw["pods"])
+        seconds = (2 * (p - 1) / p * self.all_reduce_bytes / gw["bytes_per_s"]
+                   + self.all_reduces * 2 * (p - 1) * gw["step_latency_s"])
+        return min(float(self.all_reduce_cycles), seconds * self.clock_hz)
+
+    @property
     def device_seconds(self) -> float:
         """Seconds on the device alone (no host transfers)."""
         return self.device_cycles / self.clock_hz
@@ -300,6 +330,8 @@ class Estimate:
         d["throughput"] = self.throughput
         d["device_seconds"] = self.device_seconds
         d["all_reduce_share"] = self.all_reduce_share
+        d["all_reduce_links"] = self.all_reduce_links
+        d["all_reduce_gw_cycles"] = self.all_reduce_gw_cycles
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -360,11 +392,15 @@ class Estimate:
         replicas = ""
         if self.replicas > 1:
             replicas = (f" x {self.replicas} replicas on {self.system} IPUs "
-                        f"{','.join(map(str, self.ipu_ids))} (per IPU below)")
+                        f"{_ids_text(self.ipu_ids)} (per IPU below)")
             if self.all_reduces:
                 replicas += (f"; all-reduce {self.all_reduce_bytes:,} B per replica, "
                              f"{self.all_reduce_cycles / self.clock_hz * 1e3:.3f} ms = "
-                             f"{self.all_reduce_share:.1%} of the call")
+                             f"{self.all_reduce_share:.1%} of the call, over "
+                             f"{' and '.join(self.all_reduce_links)}")
+                if self.all_reduce_gw_cycles:
+                    replicas += (f" ({self.all_reduce_gw_cycles / self.clock_hz * 1e3:.3f} ms on "
+                                 f"the GW-Links between {len(self.ring['gw']['pods'])} Pod64s)")
         if self.pipeline_stages > 1:
             replicas += (f", {self.pipeline_stages}-stage {self.pipeline_schedule} pipeline over "
                          f"{self.ipus_per_replica} IPUs, {self.micro_batches} micro-batch(es) per "
@@ -416,7 +452,21 @@ class Estimate:
         return " ".join(lines)
 
 
-_DERIVED = ("latency_s", "throughput", "device_seconds", "all_reduce_share")  # to_dict's computed figures
+_DERIVED = ("latency_s", "throughput", "device_seconds", "all_reduce_share", "all_reduce_links",
+            "all_reduce_gw_cycles")  # to_dict's computed figures
+
+
+def _ids_text(ids: Any) -> str:
+    """IPU ids, runs of consecutive ids as ``a-b`` (``0-63,128``)."""
+    out: list[str] = []
+    ids = [int(i) for i in ids]
+    start = 0
+    for n in range(1, len(ids) + 1):
+        if n == len(ids) or ids[n] != ids[n - 1] + 1:
+            run = ids[start:n]
+            out.append(",".join(map(str, run)) if len(run) < 3 else f"{run[0]}-{run[-1]}")
+            start = n
+    return ",".join(out)
 
 
 def _of_kind(v: Any, kind: type) -> bool:
@@ -606,6 +656,8 @@ def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | N
             assumptions.append(lp["note"])
     if rep is not None and rep.replicated:
         assumptions.extend(REPLICA_ASSUMPTIONS)
+        if rep.ring is not None and rep.ring.gw is not None:
+            assumptions.extend(POD_ASSUMPTIONS)
     collectives = [{**c, "executions": int(agg[c["name"]]["supersteps"]) if c["name"] in agg else 0}
                    for c in plan.collectives]
     peak_not_always = mem.peak_not_always_live_bytes
