@@ -200,6 +200,8 @@ def test_sigint_during_a_never_ending_fit_raises_keyboard_interrupt(device_serve
                              stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     sent = None
+    watchdog = threading.Timer(120, child.kill)  # a child that never stops fails, not hangs
+    watchdog.start()
     try:
         assert child.stdout is not None
         for line in child.stdout:
@@ -212,10 +214,11 @@ def test_sigint_during_a_never_ending_fit_raises_keyboard_interrupt(device_serve
                 assert sent is not None and float(line.split()[1]) - sent < 5.0, lines
         child.wait(60)
     finally:
+        watchdog.cancel()
         if child.poll() is None:
             child.kill()
     out = "\n".join(lines)
-    assert child.returncode == 0, out
+    assert child.returncode == 0, f"exit {child.returncode} (-9: stopped by the watchdog)\n{out}"
     assert "INTERRUPTED" in out, out
     assert "CALLS 2" in out, out  # the weights of the 2 completed steps were kept
     assert "PREDICT (8, 1)" in out, out

@@ -31,8 +31,11 @@ raises KeyboardInterrupt as the default one does, except where that would go wro
   callback, which must return a status to TF) and while TensorFlow builds the exception of a
   failed call (from C++, through pybind11, which would turn a KeyboardInterrupt raised there
   into "RuntimeError: ... MISMATCH of original and normalized active exception types"), it
-  sets a profile hook on the main thread that raises it at the first call or return outside
-  those frames (TF's Python code once the call has returned), and removes itself.
+  sets a profile hook on the main thread that raises it at the first function call outside
+  those frames (TF's Python code once the call has returned), and removes itself. Never at a
+  return (a lock an ``__enter__`` took would stay taken), in a ``__del__`` or during a garbage
+  collection (Python drops exceptions there: the Ctrl-C would be lost); the SIGINT handler
+  itself defers to the hook in those places too.
 
 The pending mark ends when the KeyboardInterrupt is raised, so the IPU takes the next call.
 """
@@ -40,6 +43,7 @@ The pending mark ends when the KeyboardInterrupt is raised, so the IPU takes the
 from __future__ import annotations
 
 import _thread
+import gc
 import logging
 import os
 import select
@@ -217,11 +221,36 @@ def _raise_when_safe() -> None:
 
 
 def _when_safe(frame: FrameType, event: str, arg: object) -> None:
-    if _unsafe(frame):
+    # Only where a function is about to start: raised at a return, the exception would
+    # replace a result already made (a lock taken by ``__enter__`` or ``acquire`` would never
+    # be released). Never inside a finalizer or a garbage collection, where Python swallows
+    # it ("Exception ignored in ...") and the Ctrl-C would be lost.
+    if event not in ("call", "c_call") or _collecting or _in_finalizer(frame) or _unsafe(frame):
         return
     sys.setprofile(None)
     _delivered()
     raise KeyboardInterrupt
+
+
+_collecting = False  # a garbage collection is running (gc.callbacks)
+
+
+def _gc_phase(phase: str, info: dict[str, int]) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_gc_phase)
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or a caller is an object's ``__del__``, whose exceptions Python
+    prints and drops."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _delivered() -> None:
@@ -250,8 +279,8 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     if _holding:
         _held = True
         return
-    if _unsafe(frame):
-        _raise_when_safe()
+    if _unsafe(frame) or _collecting or _in_finalizer(frame):
+        _raise_when_safe()  # raised there, it would be lost or break TF's error handling
         return
     _delivered()
     raise KeyboardInterrupt
