@@ -178,8 +178,7 @@ def install_epoch_iterator() -> None:
         if it._num_batches:
             if it._num_batches % r:
                 notices.once(
-                    f"replicas drop batches {it._num_batches} {r}",
-                    f"the data has {it._num_batches} batches, shared out among {r} replicas: "
+                    f"{it._num_batches} batches shared out among {r} replicas:",
                     f"each runs {it._num_batches // r} steps and the remaining "
                     f"{it._num_batches % r} batch(es) are dropped.")
             it._num_batches = it._num_batches // r
@@ -239,6 +238,11 @@ def _plain(value: Any) -> Any:
         return value
 
 
+#: What a replica adds, times its index, to a Keras seed it draws (install_replica_seeds); an
+#: instance of a multi-instance run moves its seed states by its replica offset times it too.
+REPLICA_SEED_STRIDE = 7919
+
+
 def install_replica_seeds() -> None:
     """Gives each replica random numbers of its own: in a replicated device program, a seed
     drawn from a Keras ``SeedGenerator`` (Dropout's, the initializers') is offset by the
@@ -257,7 +261,7 @@ def install_replica_seeds() -> None:
         value = original(self, ordered)
         if _lowering_replicas() <= 1:
             return value
-        offset = tf.cast(replica_id(), value.dtype) * tf.constant(7919, value.dtype)
+        offset = tf.cast(replica_id(), value.dtype) * tf.constant(REPLICA_SEED_STRIDE, value.dtype)
         return value + tf.stack([offset, tf.zeros([], value.dtype)])
 
     next_seed._tf_ipu_replicas = True  # type: ignore[attr-defined]

@@ -56,6 +56,13 @@ def allreduce(value: Any, reduce_op: Any = tf.distribute.ReduceOp.SUM,
     return _on_host(lambda a: mpi.allreduce(a, op), value, "allreduce")
 
 
+def all_reduce(value: Any, reduce_op: Any = tf.distribute.ReduceOp.SUM,
+               tensor_name: str | None = None) -> tf.Tensor:
+    """``allreduce`` by the name Graphcore's SDK 3.x gives it (its PopDistStrategy's host
+    reductions call ``host_collective_ops.all_reduce``; earlier SDKs: ``allreduce``)."""
+    return allreduce(value, reduce_op, tensor_name)
+
+
 def broadcast(value: Any, root_rank: int = 0, tensor_name: str | None = None) -> tf.Tensor:
     """Instance ``root_rank``'s ``value`` on every instance (same shape and dtype on all)."""
     del tensor_name
@@ -68,4 +75,4 @@ def allgather(value: Any, tensor_name: str | None = None) -> tf.Tensor:
     return _on_host(mpi.allgather, value, "allgather", keep_shape=False)
 
 
-__all__ = ["allgather", "allreduce", "broadcast"]
+__all__ = ["all_reduce", "allgather", "allreduce", "broadcast"]

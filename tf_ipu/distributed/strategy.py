@@ -3,6 +3,8 @@
     instance 0                                   instance k
     with strategy.scope(): model = ...           with strategy.scope(): model = ...
       each new variable's initial value ──Bcast(root 0)──> replaces k's own
+                                                   (a Keras seed state: then moved on by
+                                                    k's first replica index, see below)
     model.fit(shard 0)                           model.fit(shard k)
       device: its replicas, its own server         device: its replicas, its own server
       host: each call's logs ─────────Allreduce (mean)──────── each call's logs
@@ -11,6 +13,13 @@
 
 Only when the program was configured for the run (``popdist.tensorflow.set_ipu_config`` or
 ``update_ipu_config``); otherwise the instances run independently and a warning says so.
+Keras's random seed states (``SeedGenerator``: Dropout's, the global one) are broadcast
+too, then moved on by the instance's first replica index times the stride that
+``replication.install_replica_seeds`` adds per local replica, so replica j of instance k
+draws as replica k x local replicas + j of one program would: every replica of the run
+draws its own Dropout masks, as Graphcore's do, even when all instances were seeded alike.
+``num_replicas_in_sync`` is the run's replicas, as Graphcore's reports: Keras scales each
+replica's loss by its inverse (see the property for what that means before point 3).
 Within a device program everything is IPUStrategy's: each instance's replicas all-reduce
 among themselves; joining the instances' replicas into one all-reduced program is not done
 yet (docs/architecture.md, "Many instances").
@@ -26,6 +35,7 @@ import tensorflow as tf
 
 from tf_ipu import notices
 from tf_ipu.distributed import identity, mpi, popdist_api
+from tf_ipu.replication import REPLICA_SEED_STRIDE
 from tf_ipu.strategy import IPUStrategy, _IPUExtended, _lowering_depth
 
 _NOT_JOINED = "PopDistStrategy"
@@ -52,18 +62,45 @@ def _broadcast_tensor(t: Any, dtype: Any = None,
     return out
 
 
+#: The name Keras gives a ``SeedGenerator``'s state variable ([seed, counter]).
+_SEED_STATE_NAME = "seed_generator_state"
+
+
+def _is_seed_state(kwargs: dict[str, Any]) -> bool:
+    name = str(kwargs.get("name") or "")
+    return name.rsplit("/", 1)[-1].split(":")[0] == _SEED_STATE_NAME
+
+
+def _apart_by_instance(t: Any) -> tf.Tensor:
+    """A seed state [seed, counter] moved on by this instance's first replica's index, so
+    that replica j of instance k draws as replica k x local replicas + j of one program
+    would (install_replica_seeds adds j): Graphcore's replicas all draw apart."""
+    t = tf.convert_to_tensor(t)
+    if not t.dtype.is_integer or t.shape.rank != 1 or t.shape[0] != 2:  # not [seed, counter]
+        return t
+    offset = identity.getReplicaIndexOffset() * REPLICA_SEED_STRIDE
+    return t + tf.constant([offset, 0], dtype=t.dtype)
+
+
+def _initial_for_run(initial: Any, dtype: Any, seed_state: bool) -> tf.Tensor:
+    value = _broadcast_tensor(initial, dtype)
+    return _apart_by_instance(value) if seed_state else value
+
+
 class _PopDistExtended(_IPUExtended):
-    """IPUStrategy's extended, whose new variables start from instance 0's values and whose
-    host-side reductions span the instances."""
+    """IPUStrategy's extended, whose new variables start from instance 0's values (Keras's
+    random seed states moved apart per instance) and whose host-side reductions span the
+    instances."""
 
     def _create_variable(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         strategy = self._container_strategy()
         if _strategy_joined(strategy) and "initial_value" in kwargs:
             initial, dtype = kwargs["initial_value"], kwargs.get("dtype")
+            seed_state = _is_seed_state(kwargs)
             if callable(initial):
-                kwargs["initial_value"] = lambda: _broadcast_tensor(initial(), dtype)
+                kwargs["initial_value"] = lambda: _initial_for_run(initial(), dtype, seed_state)
             else:
-                kwargs["initial_value"] = _broadcast_tensor(initial, dtype)
+                kwargs["initial_value"] = _initial_for_run(initial, dtype, seed_state)
         return super()._create_variable(next_creator, **kwargs)
 
     def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
@@ -81,8 +118,10 @@ class PopDistStrategy(IPUStrategy):
 
     Under a run whose program was configured with ``popdist.tensorflow.set_ipu_config``
     (or ``update_ipu_config``): variables created in its scope start from instance 0's
-    values (an MPI broadcast), ``reduce`` and Keras's per-call and epoch-end logs are
-    reduced over the instances. Outside a run, or with one instance, it is IPUStrategy.
+    values (an MPI broadcast; Keras's seed states then moved apart per instance, so each
+    replica of the run draws its own random numbers), ``reduce`` and Keras's per-call and
+    epoch-end logs are reduced over the instances; ``num_replicas_in_sync`` is the run's
+    replicas. Outside a run it is IPUStrategy.
 
     Args:
         config: as IPUStrategy's.
@@ -127,6 +166,24 @@ class PopDistStrategy(IPUStrategy):
         run, as Graphcore's does; returns ``config``."""
         popdist_api.set_ipu_config(config, configure_device=False)
         return config
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The run's replicas (``popdist.getNumTotalReplicas()``), as Graphcore's
+        PopDistStrategy reports them, when this instance is part of the run (joined, or the
+        run's only instance); otherwise IPUStrategy's 1.
+
+        Keras scales each replica's loss by ``1 / num_replicas_in_sync``, so the replicas'
+        summed gradients are the run's mean gradient, as on Graphcore's (its tutorial's
+        learning rate assumes so). The sum here spans this instance's replicas only (issue
+        27, point 3), so with several instances an update is local replicas / total
+        replicas times the instance's mean-gradient update until the instances' replicas
+        are all-reduced together; with one instance it is exact."""
+        if not identity.isPopdistEnvSet():
+            return 1
+        if identity.getNumInstances() == 1 or self.joined:
+            return identity.getNumTotalReplicas()
+        return 1
 
     @property
     def joined(self) -> bool:
