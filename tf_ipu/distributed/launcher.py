@@ -7,8 +7,13 @@
             ├─ rank 0: device server (2 IPUs) <─gRPC─ train.py, instance 0 ─┐
             └─ rank 1: device server (2 IPUs) <─gRPC─ train.py, instance 1 ─┴─ MPI (host
                                                                               collectives)
-      then: names each instance that failed (D/instance-k/failure), stops any device server
-      still running (by the pid each rank wrote), removes D, exits with mpirun's status.
+            each rank's watchdog (watchdog.py) ─TCP─> this launcher (Watch): beats, losses
+      meanwhile: an instance without a beat for 10 s is stuck; on the first failure (an
+      exception, an instance or server gone, a stuck one) every watchdog is told to stop
+      its instance, so the others end within 30 s instead of waiting forever
+      then: names the instance that failed first, stops any device server or watchdog
+      still running (by pid, command line checked), removes the run's /dev/shm segments and
+      D, exits with mpirun's status (non-zero if any instance failed).
 
 Option names and meanings are poprun's (``--num-instances``, ``--num-replicas``,
 ``--ipus-per-replica``, ``--host``, ``--mpi-global-args``, ``--mpi-local-args``,
@@ -19,18 +24,24 @@ nor MPI.
 from __future__ import annotations
 
 import argparse
+import hmac
+import json
 import os
+import secrets
+import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from tf_ipu.distributed import identity, rank
+from tf_ipu.distributed import identity, rank, watchdog
 
 PROG = "tf-ipu-run"
 _LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -209,7 +220,10 @@ def mpirun_command(plan: RunPlan, run_dir: str, mpirun: str = "mpirun") -> list[
                 "--map-by", "slot"]
     cmd += plan.mpi_global_args
     cmd += ["-n", str(plan.num_instances)]
-    names = [*identity.RUN_VARIABLES, "PYTHONPATH", "PATH", "PYTHONUNBUFFERED"]
+    names = [*identity.RUN_VARIABLES, "PYTHONPATH", "PATH", "PYTHONUNBUFFERED",
+             watchdog.ADDRESS_ENV, watchdog.TOKEN_ENV]
+    names += [n for n in (watchdog.BEAT_TIMEOUT_ENV, watchdog.EXIT_TIMEOUT_ENV)
+              if n in os.environ]
     if "LD_LIBRARY_PATH" in os.environ:
         names.append("LD_LIBRARY_PATH")
     for name in names:  # exported to remote hosts too (local ranks inherit them anyway)
@@ -283,37 +297,421 @@ def stop_servers(run_dir: str, num_instances: int, grace: float = 5.0) -> list[i
     return signalled
 
 
+@dataclass
+class Failure:
+    """One instance's failure as the launcher learnt it."""
+
+    index: int
+    when: float  # wall-clock time it happened (time.time())
+    reason: str  # the report's text
+    short: str  # what the other instances are told
+    kill_now: bool = False  # the instance itself is killed at once (stuck, serverless)
+
+
+@dataclass
+class _Watched:
+    """A watchdog's connection and what it said about its instance."""
+
+    sock: socket.socket
+    buffer: bytes = b""
+    index: int = -1
+    pid: int = 0
+    server_pid: int = 0
+    watchdog_pid: int = 0
+    pidfd: int | None = None
+    last_beat: float = 0.0
+    hold: str = ""
+    ended: bool = False
+    failed: bool = False
+    closed: bool = False
+
+
+class Watch:
+    """The launcher's end of the watchdogs (watchdog.py): collects beats and losses, counts
+    an instance without a beat for ``beat_timeout`` s as stuck, and on the first failure
+    tells every watchdog to stop its instance."""
+
+    SETTLE = 0.3  # s between the first failure heard and the stop: lets causes arrive first
+    BACKSTOP_AFTER_GRACE = 2.0  # s mpirun gets after the watchdogs' SIGKILL, then is ended
+    MPIRUN_KILL_AFTER = 2.0  # s between SIGTERM and SIGKILL to mpirun's process group
+    SETTLE_AFTER_MPIRUN = 2.0  # s the watchdogs get to report their instances' ends
+    SERVER_GRACE = 2.0  # s the servers get to exit by themselves (they watch their instance)
+
+    def worst_case(self) -> float:
+        """The longest a failure can take, from the moment it happens until the launcher
+        returns with nothing of the run left: found (at most the beat timeout), stopped,
+        mpirun ended, the servers stopped (``stop_servers``: grace, SIGTERM 3 s, SIGKILL 2 s)."""
+        return (self.timeout + self.SETTLE + self.grace + self.BACKSTOP_AFTER_GRACE
+                + self.MPIRUN_KILL_AFTER + self.SETTLE_AFTER_MPIRUN + self.SERVER_GRACE + 5.0)
+
+    def __init__(self, run_dir: str, num_instances: int, is_python: bool, local: bool) -> None:
+        self.run_dir, self.num_instances, self.is_python = run_dir, num_instances, is_python
+        self.local = local
+        self.timeout = watchdog.beat_timeout()
+        self.exit_within = watchdog.exit_timeout()
+        self.grace = watchdog.stop_grace(self.exit_within, self.timeout)
+        self.token = secrets.token_hex(16)
+        self.listener = socket.create_server(("127.0.0.1" if local else "", 0))
+        self.listener.setblocking(False)
+        port = self.listener.getsockname()[1]
+        self.address = f"{'127.0.0.1' if local else _hostname()}:{port}"
+        self.conns: list[_Watched] = []  # connected
+        self.known: list[_Watched] = []  # every watchdog that said hello
+        self.failures: list[Failure] = []
+        self.outcomes: dict[int, dict[str, Any]] = {}  # what each ended instance left
+        self.first_heard: float | None = None
+        self.stop_sent: float | None = None
+        self.signalled = False  # the launcher was told to stop: ends are no failures
+
+    def environment(self) -> dict[str, str]:
+        return {watchdog.ADDRESS_ENV: self.address, watchdog.TOKEN_ENV: self.token}
+
+    # -- what the watchdogs say --------------------------------------------------------
+
+    def poll(self, wait: float) -> None:
+        """Handles what arrived within ``wait`` s, then checks the beats and the stop."""
+        socks = [self.listener, *(c.sock for c in self.conns)]
+        try:
+            readable = select.select(socks, [], [], wait)[0]
+        except (OSError, ValueError):
+            readable = []
+        for sock in readable:
+            if sock is self.listener:
+                try:
+                    new, _ = self.listener.accept()
+                except OSError:
+                    continue
+                new.setblocking(False)
+                self.conns.append(_Watched(new, last_beat=time.monotonic()))
+                continue
+            conn = next((c for c in self.conns if c.sock is sock), None)
+            if conn is None:  # dropped earlier in this round
+                continue
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self._closed(conn)
+                continue
+            conn.buffer += data
+            while b"\n" in conn.buffer:
+                line, conn.buffer = conn.buffer.split(b"\n", 1)
+                self._line(conn, line.decode("utf-8", "replace"))
+        self._check_beats()
+        self._maybe_stop()
+
+    def _line(self, conn: _Watched, line: str) -> None:
+        word, _, rest = line.partition(" ")
+        if conn.index < 0:
+            parts = rest.split()
+            if word != "hello" or len(parts) != 5 or not hmac.compare_digest(parts[0], self.token):
+                self._drop(conn)  # not one of this run's watchdogs
+                return
+            conn.index, conn.pid, conn.server_pid, conn.watchdog_pid = map(int, parts[1:])
+            conn.last_beat = time.monotonic()
+            self.known.append(conn)
+            if self.local:
+                try:
+                    conn.pidfd = os.pidfd_open(conn.pid)
+                except OSError:
+                    conn.pidfd = None
+            return
+        k = conn.index
+        if word == "beat":
+            conn.last_beat, conn.hold = time.monotonic(), ""
+        elif word == "hold":
+            conn.hold = rest
+        elif word == "ended":
+            conn.ended = True
+            self._ended(conn, json.loads(rest))
+        elif word == "server-lost":
+            when, _, how = rest.partition(" ")
+            self._fail(conn, Failure(
+                k, float(when), f"its device server (pid {conn.server_pid}) {how} while the "
+                f"instance ran", f"lost its device server ({how})", kill_now=True))
+
+    def _ended(self, conn: _Watched, outcome: dict[str, Any]) -> None:
+        k, when, how = conn.index, float(outcome["when"]), str(outcome["how"])
+        self.outcomes[k] = outcome
+        if outcome["finished"] or how == "stopped":
+            return
+        recorded = outcome["failure"]
+        if recorded is not None:
+            self._fail(conn, Failure(k, float(outcome["failure_time"] or when), recorded,
+                                     "failed: " + recorded.split("\n")[0][:200]))
+            return
+        clean = how == "exited with status 0" or (how == "ended" and not self.is_python)
+        if not clean:
+            how = how if how != "ended" else "ended without finishing"
+            self._fail(conn, Failure(
+                k, when, f"its process {how} (no Python exception: a signal, a crash or "
+                f"os._exit; mpirun's message above names the signal)",
+                f"was lost: its process {how}"))
+
+    def _closed(self, conn: _Watched) -> None:
+        self._drop(conn)
+        if conn.index >= 0 and not conn.ended and self.stop_sent is None:
+            self._fail(conn, Failure(
+                conn.index, time.time(), f"its watchdog (pid {conn.watchdog_pid}) was lost: "
+                f"no more liveness beats", "lost its watchdog", kill_now=True))
+
+    def _drop(self, conn: _Watched) -> None:
+        conn.closed = True
+        if conn in self.conns:
+            self.conns.remove(conn)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _check_beats(self) -> None:
+        now = time.monotonic()
+        for conn in self.conns:
+            quiet = now - conn.last_beat
+            if conn.index >= 0 and not conn.ended and not conn.failed and quiet > self.timeout:
+                why = conn.hold or "its watchdog, or its host, is not answering"
+                self._fail(conn, Failure(
+                    conn.index, time.time() - quiet, f"stuck: no liveness beat for "
+                    f"{self.timeout:g} s ({why})",
+                    f"is stuck (no liveness beat for {self.timeout:g} s: {why})", kill_now=True))
+
+    def _fail(self, conn: _Watched, failure: Failure) -> None:
+        if conn.failed or self.signalled:
+            return
+        conn.failed = True
+        self.failures.append(failure)
+        if self.first_heard is None:
+            self.first_heard = time.monotonic()
+        if failure.kill_now and self.stop_sent is not None:
+            self._send(conn, f"stop 1 instance {failure.index} (MPI rank {failure.index}) "
+                             f"{failure.short}")
+
+    # -- stopping ----------------------------------------------------------------------
+
+    def first(self) -> Failure | None:
+        """The earliest failure, counting the exceptions the instances recorded."""
+        known = {f.index for f in self.failures}
+        found = list(self.failures)
+        for k, text in failures(self.run_dir, self.num_instances).items():
+            if k not in known:
+                path = os.path.join(rank.instance_dir(self.run_dir, k), rank.FAILURE_FILE)
+                found.append(Failure(k, _mtime(path, time.time()), text, "failed: " + text))
+        return min(found, key=lambda f: f.when, default=None)
+
+    def _maybe_stop(self) -> None:
+        if self.stop_sent is not None or self.first_heard is None:
+            return
+        if time.monotonic() - self.first_heard < self.SETTLE:
+            return
+        first = self.first()
+        assert first is not None
+        self.stop_sent = time.monotonic()
+        message = f"instance {first.index} (MPI rank {first.index}) {first.short}"
+        now = {f.index for f in self.failures if f.kill_now}
+        for conn in sorted(self.conns, key=lambda c: c.index in now):  # the others first
+            if conn.index >= 0 and not conn.ended:
+                self._send(conn, f"stop {1 if conn.index in now else 0} {message}")
+        for conn in self.known:  # a failed instance whose watchdog is gone
+            if conn.closed and conn.index in now:
+                self._signal(conn, signal.SIGKILL)
+
+    def _send(self, conn: _Watched, line: str) -> None:
+        try:
+            conn.sock.setblocking(True)
+            conn.sock.sendall((line + "\n").encode("utf-8", "replace"))
+            conn.sock.setblocking(False)
+        except OSError:
+            pass
+
+    def _signal(self, conn: _Watched, sig: int) -> None:
+        if conn.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(conn.pidfd, sig)
+            except OSError:
+                pass
+
+    def backstop_due(self) -> bool:
+        """Whether the instances told to stop had their time (then mpirun is ended)."""
+        return self.stop_sent is not None and (
+            time.monotonic() - self.stop_sent > self.grace + self.BACKSTOP_AFTER_GRACE)
+
+    def kill_instances(self) -> None:
+        """SIGKILL to every instance process still known (by pidfd: never another process)."""
+        for conn in self.known:
+            self._signal(conn, signal.SIGKILL)
+
+    def pids(self) -> list[int]:
+        return [p for c in self.known for p in (c.pid, c.server_pid, c.watchdog_pid) if p]
+
+    def settle(self, limit: float) -> None:
+        """After mpirun's end: waits (up to ``limit`` s) until every watchdog said its
+        instance ended, or closed."""
+        end = time.monotonic() + limit
+        while time.monotonic() < end and any(c.index >= 0 and not c.ended for c in self.conns):
+            self.poll(0.05)
+        self.kill_instances()  # mpirun is gone: nothing of the run may stay
+
+    def close(self) -> None:
+        for conn in list(self.conns):
+            self._drop(conn)
+        for conn in self.known:
+            if conn.pidfd is not None:
+                os.close(conn.pidfd)
+                conn.pidfd = None
+        self.listener.close()
+
+
+def _mtime(path: str, default: float) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return default
+
+
+def sweep_shm(pids: Sequence[int]) -> list[str]:
+    """Removes the shared-memory segments (``tf_ipu-<pid>-<hex>``, ours) that processes of
+    the run left (a process killed between creating a segment and unlinking it)."""
+    directory = os.environ.get("TF_IPU_SHM_DIR") or "/dev/shm"
+    prefixes = tuple(f"tf_ipu-{p}-" for p in set(pids))
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if prefixes and name.startswith(prefixes):
+            path = os.path.join(directory, name)
+            try:
+                if os.lstat(path).st_uid == os.getuid():
+                    os.unlink(path)
+                    removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _stop_watchdogs(pids: Sequence[int], run_dir: str) -> None:
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if "tf_ipu.distributed.watchdog" in args and run_dir in args:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def report(plan: RunPlan, watch: Watch, stopped: bool) -> bool:
+    """Prints which instance failed first (and what became of the others); returns whether
+    any failed."""
+    first = watch.first()
+    if first is None:
+        return False
+    k = first.index
+    print(f"{PROG}: instance {k} (MPI rank {k}) failed: {first.reason}", file=sys.stderr,
+          flush=True)
+    if stopped:
+        return True
+    recorded = failures(watch.run_dir, plan.num_instances)  # this host's
+    recorded.update({j: o["failure"] for j, o in watch.outcomes.items() if o["failure"]})
+    others = []
+    for j in range(plan.num_instances):
+        if j == k:
+            continue
+        if j in recorded:
+            print(f"{PROG}: instance {j} (MPI rank {j}) failed: {recorded[j]}", file=sys.stderr,
+                  flush=True)
+        elif not (watch.outcomes.get(j, {}).get("finished") or os.path.exists(
+                os.path.join(rank.instance_dir(watch.run_dir, j), rank.FINISHED_FILE))):
+            others.append(str(j))
+    stopped_text = (f"; stopped because of it: instance{'s' if len(others) > 1 else ''} "
+                    f"{', '.join(others)}" if others else "")
+    print(f"{PROG}: instance {k} failed first{stopped_text}.", file=sys.stderr, flush=True)
+    return True
+
+
 def run(plan: RunPlan, print_command: bool = False) -> int:
     """Runs ``plan`` through mpirun and returns the exit status (non-zero if any instance
     failed); no process of the run is left when it returns."""
     mpirun = mpirun_path()
     run_dir = tempfile.mkdtemp(prefix="tf_ipu_run_")
+    watch = Watch(run_dir, plan.num_instances,
+                  rank._is_python(shutil.which(plan.command[0]) or plan.command[0]),
+                  plan.is_local)
     try:
         cmd = mpirun_command(plan, run_dir, mpirun)
         if print_command:
             print(f"{PROG}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        process = subprocess.Popen(cmd, env=run_environment(plan), start_new_session=True)
+        env = run_environment(plan)
+        env.update(watch.environment())
+        process = subprocess.Popen(cmd, env=env, start_new_session=True)
 
         stopped_by: list[int] = []
 
         def forward(signum: int, _frame: object) -> None:
             stopped_by.append(signum)
+            watch.signalled = True
             try:
                 process.send_signal(signum)
             except ProcessLookupError:
                 pass
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        mpirun_lost = ""
         try:
-            status = process.wait()
+            ended_mpirun = signalled_at = 0.0
+            mpirun_ran = time.monotonic()
+            while process.poll() is None:
+                watch.poll(0.1)
+                now = time.monotonic()
+                if stopped_by and not signalled_at:
+                    signalled_at = now
+                state = watchdog.proc_state(process.pid)[0]
+                if state not in ("T", "t"):
+                    mpirun_ran = now
+                elif not mpirun_lost and now - mpirun_ran > watch.timeout:
+                    mpirun_lost = (f"mpirun (pid {process.pid}) is stopped (state {state}) "
+                                   f"since {watch.timeout:g} s: the run cannot go on")
+                    watch.signalled = True  # the instances' ends are not theirs to blame
+                    ended_mpirun = now
+                    watch.kill_instances()
+                    _kill_group(process.pid, signal.SIGKILL)
+                late = bool(signalled_at) and (
+                    now - signalled_at > watch.grace + watch.BACKSTOP_AFTER_GRACE)
+                if watch.backstop_due() or late:  # mpirun did not end the job: end it
+                    if not ended_mpirun:
+                        ended_mpirun = now
+                        watch.kill_instances()
+                        _kill_group(process.pid, signal.SIGTERM)
+                    elif now - ended_mpirun > watch.MPIRUN_KILL_AFTER:
+                        _kill_group(process.pid, signal.SIGKILL)
+            status = process.returncode
+            watch.settle(watch.SETTLE_AFTER_MPIRUN)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        failed = failures(run_dir, plan.num_instances)
-        for k, message in sorted(failed.items()):
-            print(f"{PROG}: instance {k} (MPI rank {k}) failed: {message}",
-                  file=sys.stderr, flush=True)
-        stop_servers(run_dir, plan.num_instances)
+        failed = report(plan, watch, bool(stopped_by))
+        if mpirun_lost:
+            print(f"{PROG}: {mpirun_lost}; ended it and the instances.", file=sys.stderr,
+                  flush=True)
+            failed = True
+        pids = watch.pids()
+        _stop_watchdogs(pids, run_dir)
+        stop_servers(run_dir, plan.num_instances, watch.SERVER_GRACE)
+        sweep_shm(pids)
         if status == 0 and failed:
             status = 1
         if stopped_by:
@@ -327,6 +725,7 @@ def run(plan: RunPlan, print_command: bool = False) -> int:
                   f"above).", file=sys.stderr, flush=True)
         return 128 - status if status < 0 else status  # killed by a signal: 128 + signum
     finally:
+        watch.close()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -7,12 +7,16 @@ become the user's program.
                            --parent-pid <this pid> --ipus <local replicas x IPUs each>
                   (its own server: a child, not an MPI rank; it exits when this pid is gone)
                3. TF_IPU_SERVER=127.0.0.1:<its port>
+                  spawns   python -m tf_ipu.distributed.watchdog (its own session): the
+                           liveness beat to the launcher, from outside the program's GIL
+                           (watchdog.py); waits until it reached the launcher
                4. exec python -m tf_ipu.distributed.rank --program ... train.py
                   (same pid, so the server keeps watching it; the user's program is the
                   MPI rank, and MPI_COMM_WORLD holds the instances only)
       program: runs train.py as mpi4py's launcher does; an exception is written to
                D/instance-k/failure (the launcher names it) and aborts the MPI job, so the
-               other instances do not wait for it forever.
+               other instances do not wait for it forever; a normal end writes
+               D/instance-k/finished (so the launcher tells it from a killed instance).
 
 Imports neither TensorFlow nor, before the program runs, MPI.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -32,6 +37,8 @@ from tf_ipu.distributed import identity
 
 SERVER_STARTUP_SECONDS = 120.0
 FAILURE_FILE = "failure"
+FINISHED_FILE = "finished"
+WATCHDOG_STARTUP_SECONDS = 60.0
 SERVER_PID_FILE = "server.pid"
 
 
@@ -59,6 +66,52 @@ def record_failure(run_dir: str, index: int, message: str) -> None:
             f.write(message.strip() + "\n")
     except OSError:
         pass
+
+
+def record_finished(run_dir: str, index: int) -> None:
+    """Marks instance ``index``'s program as having ended normally."""
+    try:
+        with open(os.path.join(instance_dir(run_dir, index), FINISHED_FILE), "w") as f:
+            f.write("0\n")
+    except OSError:
+        pass
+
+
+def start_watchdog(run_dir: str, index: int, server_pid: int,
+                   timeout: float = WATCHDOG_STARTUP_SECONDS) -> int:
+    """Starts this instance's watchdog (``tf_ipu.distributed.watchdog``) and waits until it
+    has reached the launcher; returns its pid. Does nothing (returns 0) outside a launcher
+    that watches (no ``TF_IPU_RUN_WATCH``)."""
+    from tf_ipu.distributed import watchdog
+
+    if not os.environ.get(watchdog.ADDRESS_ENV):
+        return 0
+    read_end, write_end = os.pipe()
+    cmd = [sys.executable, "-m", "tf_ipu.distributed.watchdog", "--run-dir", run_dir,
+           "--index", str(index), "--instance-pid", str(os.getpid()),
+           "--server-pid", str(server_pid), "--ready-fd", str(write_end)]
+    try:
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   pass_fds=(write_end,), start_new_session=True)
+    finally:
+        os.close(write_end)
+    try:
+        end = time.monotonic() + timeout
+        got = b""
+        while b"\n" not in got:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                process.kill()
+                raise RuntimeError(f"its watchdog did not reach the launcher within {timeout:g} s")
+            chunk = os.read(read_end, 16)
+            if not chunk:
+                process.wait()
+                raise RuntimeError(f"its watchdog exited with code {process.returncode} "
+                                   f"before reaching the launcher (see its message above)")
+            got += chunk
+    finally:
+        os.close(read_end)
+    return process.pid
 
 
 def _server_env() -> dict[str, str]:
@@ -139,13 +192,14 @@ def bootstrap(run_dir: str, command: Sequence[str], executable_cache_path: str =
                            f"instances: start the run with tf-ipu-run.")
     folder = instance_dir(run_dir, index)
     ipus = identity.getNumLocalReplicas() * identity.getNumIpusPerReplica()
-    _, address = start_server(folder, ipus, executable_cache_path)
+    server_pid, address = start_server(folder, ipus, executable_cache_path)
     os.environ["TF_IPU_SERVER"] = address
     if only_output_from is not None and only_output_from != index:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
         os.close(devnull)
+    start_watchdog(run_dir, index, server_pid)
     program = shutil.which(command[0]) or command[0]
     if _is_python(program):
         options, rest = split_interpreter_options(command[1:])
@@ -169,6 +223,8 @@ def run_program(run_dir: str, args: Sequence[str]) -> None:
     except SystemExit as e:
         if e.code not in (None, 0):
             record_failure(run_dir, index, f"exited with status {e.code!r}")
+        else:
+            record_finished(run_dir, index)
         set_abort_status(e)
         raise
     except BaseException as e:
@@ -177,6 +233,7 @@ def run_program(run_dir: str, args: Sequence[str]) -> None:
         record_failure(run_dir, index, f"{type(e).__name__}: {e}{where}")
         set_abort_status(e if isinstance(e, KeyboardInterrupt) else 1)
         raise
+    record_finished(run_dir, index)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
