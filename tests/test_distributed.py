@@ -174,6 +174,8 @@ out = {name: getattr(popdist, name)() for name in (
     "getNumIpusPerReplica", "getReplicaIndexOffset", "isPopdistEnvSet")}
 out["rank"] = int(os.environ["OMPI_COMM_WORLD_RANK"])
 out["server"] = os.environ["TF_IPU_SERVER"]
+argv = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+out["run_dir"] = argv[argv.index(b"--run-dir") + 1].decode()  # this run's folder
 keras.utils.set_random_seed(1000 + 7 * k)  # each instance draws other initial weights
 
 cfg = ipu.config.IPUConfig()
@@ -231,7 +233,9 @@ def tf_run(tmp_path_factory):
     elapsed = time.monotonic() - start
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     outs = [json.loads((folder / f"instance{k}.json").read_text()) for k in range(2)]
-    return outs, elapsed, set(_run_processes()) - before
+    # Only this run's processes: the run folder in their command lines (runs of other test
+    # sessions may be going on at the same time).
+    return outs, elapsed, {p for p in set(_run_processes()) - before if outs[0]["run_dir"] in p}
 
 
 def test_each_instance_knows_who_it_is(tf_run):
