@@ -283,6 +283,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sigint_default() -> None:
+    """``preexec_fn`` for a child that must receive Ctrl-C: SIGINT back to its default
+    disposition. A suite started in the background by a non-interactive shell (``make test &``)
+    has SIGINT ignored, and children inherit that: Python then installs no KeyboardInterrupt
+    handler in them, and a SIGINT sent to them would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This environment with the repository first on PYTHONPATH (and ``extra`` set)."""
     env = {**os.environ, **extra}

@@ -197,7 +197,8 @@ def test_sigint_during_a_never_ending_fit_raises_keyboard_interrupt(device_serve
     env = su.child_env(SERVER=device_server, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
     env["PYTHONPATH"] = tests + os.pathsep + env.get("PYTHONPATH", "")
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env)
+                             stderr=subprocess.STDOUT, text=True, env=env,
+                             preexec_fn=su.sigint_default)
     lines: list[str] = []
     sent = None
     watchdog = threading.Timer(120, child.kill)  # a child that never stops fails, not hangs

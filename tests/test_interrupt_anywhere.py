@@ -154,7 +154,8 @@ def test_sigint_stops_every_kind_of_device_call(ipu_system, device_server, tmp_p
                        TF_CPP_MIN_LOG_LEVEL="3")
     env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env["PYTHONPATH"]
     child = subprocess.Popen([sys.executable, str(script), device_server, str(saved)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             preexec_fn=su.sigint_default)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
