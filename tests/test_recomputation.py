@@ -138,29 +138,41 @@ def test_the_tutorials_checkpoints_lower_the_lstms_peak(tf) -> None:
                            recomputation=True)
     assert seven.stages[0]["recomputation"] and seven.stages[0]["recompute_cycles"] > 0
     assert sum(seven.memory["activations"]) < 0.5 * sum(none.memory["activations"])
+    # On the fullest tile: PopLibs keeps a slice's 32 steps on the 8 tiles one step uses, and
+    # all 256 steps in 3 shards of 86 steps (tiles/rnn.py), so a sequence holds 2,048 B there
+    # against 5,504 B: the activations at the peak are about 2.7x as many without checkpoints.
     at_peak = [e.ipus[0]["at_peak_tile"]["activations"] for e in (seven, none)]
-    assert 4 * at_peak[0] < at_peak[1], at_peak
+    assert 2 * at_peak[0] < at_peak[1], at_peak
 
 
-def test_the_tutorial_at_full_size_fits_with_its_checkpoints(tf) -> None:
+def test_the_tutorial_at_full_size_fits_with_its_checkpoints_and_not_without(tf) -> None:
     """The tutorial as published (2,048 steps of 512 features, 256 units, micro-batch 16, GC200):
-    with its 7 checkpoints it fits, as Graphcore ran it. The fullest tile holds one slice's
-    per-step stash (inputs, states and gates, as PopnnLSTM keeps), never a per-step copy of the
-    kernels, and each stash once. Without the checkpoints every step's stash is live together:
-    more than twice the peak."""
+    with its 7 checkpoints it fits, as Graphcore ran it; without them it is refused, as its
+    README says ("the liveness exceeds the max memory"). PopLibs lays the LSTM's sequences out
+    on the ~512 tiles one step uses, in 2 shards of 1,024 steps (``tiles/rnn.py``), so at 2,048
+    steps every sequence holds 64 KB on each of its tiles: the forward's 8 per-step stashes and
+    the 4 sequences PopLibs' backward adds are 12 of them on the fullest tile. With the
+    checkpoints each slice's loop runs 256 steps and holds an eighth of that. The fullest tile
+    never holds a per-step copy of the kernels, and each stash once."""
     import tf_ipu
 
     seven = tf_ipu.estimate(_split_lstm(2048, 7, units=256, features=512), 16, training=True,
                             ipu_version="ipu2", recomputation=True)
     assert seven.fits and seven.peak_tile_bytes <= 638_976, seven.summary()
     # The kernels' per-step copies were [256, 512, 1024] and [256, 256, 1024] FP32 per slice:
-    # 365 KB and 183 KB on every tile. A slice's whole stash is now a few KB a tile.
+    # 365 KB and 183 KB on every tile. A slice's stash is 8 KB a sequence on its tiles.
     stash = [c["bytes"] for c in seven.contributors
              if str(c.get("layer", "")).startswith("popnn_lstm")]
-    assert stash and max(stash) < 16_384, seven.contributors[:8]
+    assert stash and max(stash) <= 8_192, seven.contributors[:8]
     none = tf_ipu.estimate(_split_lstm(2048, 0, units=256, features=512), 16, training=True,
                            ipu_version="ipu2", recomputation=True)
-    assert none.peak_tile_bytes > 2 * seven.peak_tile_bytes
+    assert not none.fits and none.refused, none.summary()
+    seq = [c["bytes"] for c in none.contributors if str(c.get("layer", "")).startswith("popnn_lstm")]
+    assert seq.count(2048 // 2 * 16 * 4) == 12 and max(seq) == 65_536, seq
+    # Compile raises this message (compiler.compile_module): the tile and the layer.
+    message = none.oom_message()
+    assert f"tile {none.peak_tile}:" in message and "popnn_lstm" in message, message
+    assert none.peak_tile_bytes > 3 * seven.peak_tile_bytes
 
 
 def _bn_stack(checkpoints: bool, convs: int = 8, half: bool = False, size: int = 64):

@@ -7,7 +7,9 @@
                   writes one slice of per trip (dynamic-update-slice or scatter along its first
                   dimension: TensorListPushBack / SetItem, an RNN's stash) is laid out
                   sliceable (mapping.Allocator.sliceable), as popops' createSliceableTensor
-                  lays out a tensor sliced along that dimension
+                  lays out a tensor sliced along that dimension; the loop of a PopLibs RNN
+                  layer (PopnnLSTM / PopnnGRU) lays out its sequences as PopLibs does, and its
+                  backward holds PopLibs' backward buffers (rnn.py)
     call:         the callee planned in place; its results belong to the caller
     conditional:  every branch planned; cycles of the costliest, memory of the largest
 """
@@ -15,7 +17,14 @@
 from __future__ import annotations
 
 from device_server.emulator.tiles import cycles as cyc
-from device_server.emulator.tiles.loops import TripCount, loop_trip_count, stash_slices
+from device_server.emulator.tiles import rnn
+from device_server.emulator.tiles.irinfo import shape_elems
+from device_server.emulator.tiles.loops import (
+    TripCount,
+    loop_trip_count,
+    sliced_reads,
+    stash_slices,
+)
 from device_server.emulator.tiles.plan import Buf, CompPlan, Step, Value, value_leaves
 from device_server.emulator.tiles.state import PlannerState
 from device_server.protocol import ir_pb2
@@ -35,6 +44,21 @@ def _write_over(body: CompPlan, old: Buf, new: Buf) -> None:
                   and any(b is old for b in p.uses))
     if readers <= 1:  # the update itself
         new.inplace = True
+
+
+def _leaf(state: Value, path: tuple[int, ...]) -> Value | None:
+    leaf: Value | None = state
+    for index in path:
+        leaf = leaf[index] if isinstance(leaf, tuple) and index < len(leaf) else None
+    return leaf
+
+
+def _subshape(shape: ir_pb2.Shape, path: tuple[int, ...]) -> ir_pb2.Shape | None:
+    for index in path:
+        if not shape.is_tuple or index >= len(shape.tuple_shapes):
+            return None
+        shape = shape.tuple_shapes[index]
+    return None if shape.is_tuple else shape
 
 
 class ControlPlanning(PlannerState):
@@ -80,6 +104,7 @@ class ControlPlanning(PlannerState):
         if trips.note:
             self.notes.append(trips.note)
         self.record(instr, None, [loop], 0.0, f"{trips.trips} trip(s) ({trips.kind})")
+        self._rnn_backward(ctx, instr, state, body, k)
         return state
 
     def _lay_out_stashes(self, state: Value, instr: ir_pb2.Instruction) -> None:
@@ -94,15 +119,83 @@ class ControlPlanning(PlannerState):
         body = self.comps.get(instr.called_computations[1]) if len(instr.called_computations) > 1 else None
         if body is None:
             return
-        for path, slices in stash_slices(body).items():
-            leaf: Value | None = state
-            for index in path:
-                leaf = leaf[index] if isinstance(leaf, tuple) and index < len(leaf) else None
+        stashes = stash_slices(body)
+        if self._rnn_forward(state, instr, body, stashes):
+            return
+        for path, slices in stashes.items():
+            leaf = _leaf(state, path)
             if not isinstance(leaf, Buf) or leaf.kind != "activation" or leaf.elements < 2 * slices:
                 continue
             if leaf.mapping is not None and leaf.mapping.slices > 1:
                 continue
             leaf.mapping = self.alloc.sliceable(leaf.elements, leaf.itemsize, slices)
+
+    def _rnn_layouts(self) -> dict[int, rnn.RnnLayer]:
+        """id of a sequence's mapping -> the PopLibs RNN layer it belongs to."""
+        return self.__dict__.setdefault("_rnn_by_mapping", {})
+
+    def _rnn_forward(self, state: Value, instr: ir_pb2.Instruction, body: ir_pb2.Computation,
+                     stashes: dict[tuple[int, ...], int]) -> bool:
+        """The forward loop of a PopLibs RNN layer (``rnn.kind_of`` its ``source_op``): its
+        per-step stashes and the input sequence it reads step by step laid out as PopLibs lays
+        out the layer's sequences (``rnn.sequence_mapping``). False (nothing done) for any other
+        loop, or one whose sequences do not share their steps and batch."""
+        kind = rnn.kind_of(instr.source_op)
+        if not kind or instr.source_op.startswith("gradient_tape/") or not isinstance(state, tuple):
+            return False
+        shape = self._operand_shape(instr, 0)
+        reads = sliced_reads(body)
+        seqs: list[tuple[Buf, int, bool]] = []  # (buffer, features per step, read as input)
+        sizes: set[tuple[int, int]] = set()      # (steps, batch) of every sequence
+        for path, steps in list(stashes.items()) + [(p, n) for p, n in reads.items() if p not in stashes]:
+            leaf, sub = _leaf(state, path), _subshape(shape, path)
+            if not isinstance(leaf, Buf) or sub is None or len(sub.dims) < 3 or int(sub.dims[0]) != steps:
+                continue
+            sizes.add((steps, int(sub.dims[1])))
+            seqs.append((leaf, shape_elems(sub) // (steps * int(sub.dims[1])), path not in stashes))
+        inputs = [size for _, size, read in seqs if read]
+        outputs = [size for _, size, read in seqs if not read and size not in inputs]
+        if len(sizes) != 1 or not inputs:
+            return False
+        steps, batch = sizes.pop()
+        out_size = max(set(outputs), key=lambda s: (outputs.count(s), -s)) if outputs else inputs[0]
+        layer = rnn.rnn_layer(kind, steps, batch, max(inputs), out_size, seqs[0][0].itemsize,
+                              self.T, self.t.sram_bytes_per_tile)
+        layouts = self._rnn_layouts()
+        for leaf, size, _ in seqs:
+            if leaf.kind != "activation" or leaf.elements != steps * batch * size:
+                continue
+            leaf.mapping = rnn.sequence_mapping(layer, size)
+            layouts[id(leaf.mapping)] = layer
+        return True
+
+    def _rnn_backward(self, ctx: CompPlan, instr: ir_pb2.Instruction, state: Value,
+                      body: CompPlan, k: int) -> None:
+        """The backward loop of a PopLibs RNN layer: PopLibs' backward kernel holds, across its
+        loop, sequences the lowered loop does not (``rnn.backward_sequences``): each a buffer
+        of the loop's instruction, live at its point only, laid out as the layer's sequences."""
+        kind = rnn.kind_of(instr.source_op)
+        if not kind or not instr.source_op.startswith("gradient_tape/"):
+            return
+        layouts = self._rnn_layouts()
+        layer = next((layouts[id(leaf.mapping)] for leaf in value_leaves(state)
+                      if isinstance(leaf, Buf) and id(leaf.mapping) in layouts), None)
+        if layer is None:
+            return
+        # The lowered backward already makes the input's gradient if it writes a sequence of
+        # the input's size per step.
+        shape = self._operand_shape(instr, 0)
+        writes_input = any((sub := _subshape(shape, p)) is not None and len(sub.dims) >= 3
+                           and shape_elems(sub) // (sub.dims[0] * sub.dims[1]) == layer.input_size
+                           for p in stash_slices(body.comp))
+        held = rnn.backward_sequences(layer, self.t.sram_bytes_per_tile, input_gradient=not writes_input)
+        for _, size, count in held:
+            mapping = rnn.sequence_mapping(layer, size, count)
+            ctx.bufs.append(Buf(instr, layer.itemsize, mapping.elements, "activation", ctx, k, mapping))
+        self.notes.append(
+            f"'{instr.name}': the backward of PopLibs' {kind.split('_')[0].upper()} over "
+            f"{layer.steps} steps ({layer.shards} shard(s) of its sequences, on the tiles PopLibs "
+            f"gives them) holds PopLibs' backward sequences: " + ", ".join(w for w, _, _ in held))
 
     def _call(self, ctx: CompPlan, instr: ir_pb2.Instruction, ops: list[Value], k: int) -> Value:
         self.use(ctx, ops, k)

@@ -12,7 +12,8 @@
 
 ``stash_slices`` finds the loop-carried buffers a body writes one slice of per trip (a
 ``dynamic-update-slice`` or ``scatter`` into a tuple element along its first dimension: TF's
-TensorListPushBack / TensorListSetItem, the stash an RNN keeps for its backward pass).
+TensorListPushBack / TensorListSetItem, the stash an RNN keeps for its backward pass);
+``sliced_reads`` those it reads one slice of per trip (TensorListGetItem: an RNN's input).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from device_server.protocol import dtypes, ir_pb2
 
-__all__ = ["TripCount", "loop_trip_count", "stash_slices", "while_trip_count"]
+__all__ = ["TripCount", "loop_trip_count", "sliced_reads", "stash_slices", "while_trip_count"]
 
 
 @dataclass(frozen=True)
@@ -221,4 +222,25 @@ def stash_slices(body: ir_pb2.Computation) -> dict[tuple[int, ...], int]:
         elif int(np.prod(udims, dtype=np.int64)) > per_slice:
             continue
         found[index] = int(dims[0])
+    return found
+
+
+def sliced_reads(body: ir_pb2.Computation) -> dict[tuple[int, ...], int]:
+    """Path of tuple indices into the loop state -> positions along its first dimension, for every
+    loop-carried buffer ``body`` reads one slice of (a ``dynamic-slice`` thinner than the
+    buffer along the first dimension only: TF's TensorListGetItem, an RNN reading its input
+    sequence step by step)."""
+    ids = {x.id: x for x in body.instructions}
+    found: dict[tuple[int, ...], int] = {}
+    for i in body.instructions:
+        if i.opcode != "dynamic-slice" or not i.operands:
+            continue
+        src = ids[i.operands[0]]
+        dims, sdims = list(i.shape.dims), list(src.shape.dims)
+        if src.shape.is_tuple or len(sdims) < 2 or len(dims) != len(sdims) or dims[0] >= sdims[0] \
+                or dims[1:] != sdims[1:]:
+            continue
+        index = _gte_path(ids, src)
+        if index is not None:
+            found[index] = int(sdims[0])
     return found

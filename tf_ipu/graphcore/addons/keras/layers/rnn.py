@@ -20,7 +20,10 @@ per-step tensor to it): ``[steps, input_size, gates * units]`` and
 ``[steps, units, gates * units]`` stacks that PopnnLSTM never holds (the recomputation
 tutorial's 2,048 steps of 512 features, 256 units: 2 MB + 1 MB per step). Read outside, the
 backward captures them once, and the per-step stash is the step's input, states and gates,
-as PopLibs' intermediates. The values are the same ops on the same values.
+as PopLibs' intermediates. The values are the same ops on the same values. The loop runs in
+a name scope naming PopLibs' kernel (``tf_ipu_popnn_lstm``, ``tf_ipu_popnn_gru``,
+``tf_ipu_popnn_gru_reset_after``), from which the tile model lays out the loop's sequences
+and sizes its backward pass as PopLibs does (``device_server/emulator/tiles/rnn.py``).
 
 What Graphcore's layers add, and what it does here:
 
@@ -152,11 +155,19 @@ class _PopnnRNN:
         """The bias (Graphcore's name; Keras calls it ``bias``)."""
         return self.cell.bias
 
+    def _popnn_scope(self) -> str:
+        """The name scope of the recurrent loop, which tells the tile model that the loop is
+        PopLibs' kernel of this kind (``device_server/emulator/tiles/rnn.py``)."""
+        if isinstance(self, keras.layers.GRU):
+            return "tf_ipu_popnn_gru_reset_after" if self.cell.reset_after else "tf_ipu_popnn_gru"
+        return "tf_ipu_popnn_lstm"
+
     def inner_loop(self, sequences: Any, initial_state: Any, mask: Any,
                    training: bool = False) -> Any:
         """Keras's recurrence, with the cell's weights read once before the loop (see the
-        module docstring)."""
-        with _weights_read_once(self.cell, _LOOP_WEIGHTS):
+        module docstring), in a name scope that names PopLibs' kernel it stands for (the tile
+        model lays out its sequences and sizes its backward pass as PopLibs does)."""
+        with _weights_read_once(self.cell, _LOOP_WEIGHTS), tf.name_scope(self._popnn_scope()):
             return super().inner_loop(sequences, initial_state, mask, training=training)
 
     def build(self, sequences_shape: Any, initial_state_shape: Any = None) -> None:
