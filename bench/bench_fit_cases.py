@@ -16,9 +16,10 @@ Models: ResNet-50 (``bench.bench_mlperf._resnet50`` for the TF1/TF2 MLPerf-style
 ``keras.applications.ResNet50`` otherwise), BERT (``bench.bench_mlperf._bert`` for the MLPerf
 rounds, ``tf_ipu.models.bert`` otherwise), ResNeXt-50 (``tf_ipu.models.resnext``),
 EfficientNet-B0 (``keras.applications``) and the recomputation tutorial's split LSTM
-(``tf_ipu.models.recompute_lstm``, as ``bench/fit_cases.md`` mirrors it). Cases the project
-cannot build (a C++ Poplar program, networks with no builder here) are listed as "not built"
-with the reason.
+(``tf_ipu.models.recompute_lstm``, as ``bench/fit_cases.md`` mirrors it), U-Net, ViT, GPT-2 and
+EfficientNet-GN (``tf_ipu.models.unet``, ``vit``, ``gpt2``, ``efficientnet_gn``) and the Poplar
+tutorial's two matmuls (three variables in a Keras layer). A case the project cannot build
+would be listed as "not built" with the reason (``NOT_BUILT``).
 
 Scoring: fits and out-of-memory cases are scored separately (right / built, of all published);
 a controlled pair (the tutorial's 7 / 0 checkpoints, the tech note's 0.35 / 0.8) counts only
@@ -26,6 +27,8 @@ if both halves are right. Cases are not tuned: wrong verdicts are reported as th
 
     .venv/bin/python bench/run.py --only fit_cases [--quick]
     .venv/bin/python bench/bench_fit_cases.py [--quick] [--only CASE_ID ...]
+    FIT_CASES=bert-large .venv/bin/python bench/run.py --only fit_cases --results /tmp/x
+                                                     (cases whose id is or contains one given)
 
 The default run estimates every buildable case; on a 2-core machine that is over the part's
 8-minute budget because of the seven BERT-Large pipelines (about a minute each), so ``--quick``
@@ -68,28 +71,8 @@ PAIRS = (
 )
 
 #: Cases the project cannot build, with the reason (listed in the table, never dropped).
-NOT_BUILT = {
-    "examples-tf2-unet-train-4ipu":
-        "no builder for Ronneberger's 572x572 U-Net with central-crop skips (bench/model_zoo.py's "
-        "U-Net is a 32x32 toy)",
-    "examples-tf2-unet-infer-1ipu-bs2":
-        "no builder for Ronneberger's 572x572 U-Net with central-crop skips (bench/model_zoo.py's "
-        "U-Net is a 32x32 toy)",
-    "examples-poptorch-efficientnet-b4-g16-gn-train-pod16":
-        "no builder for EfficientNet-B4-G16-GN (group-dim-16 convolutions, group norm); "
-        "keras.applications.EfficientNetB4 is another network",
-    "examples-poptorch-vit-b16-finetune-pod16":
-        "no ViT-B/16 builder (keras.applications has none; bench/model_zoo.py's ViT is a toy)",
-    "examples-poptorch-gpt2-small-train-pod16":
-        "no GPT-2 builder (bench/model_zoo.py's causal decoder is a 2-layer toy)",
-    "examples-poptorch-gpt2-medium-train-pod16":
-        "no GPT-2 builder (bench/model_zoo.py's causal decoder is a 2-layer toy)",
-    "examples-poptorch-gpt2-small-infer-pod16":
-        "no GPT-2 builder (bench/model_zoo.py's causal decoder is a 2-layer toy)",
-    "documented-oom-poplar-tut4-matmul-9000x7500":
-        "a C++ Poplar program with variables mapped linearly over the tiles "
-        "(poputil::mapTensorLinearly); tf_ipu lays out variables itself and cannot express it",
-}
+NOT_BUILT: dict[str, str] = {}  # every published case has a builder now (the last 8 since
+# the U-Net, ViT, GPT-2, EfficientNet-GN and Poplar-matmul builders)
 
 #: Cases that take longest to estimate (BERT-Large pipelines, each about a minute or more on
 #: 2 shared cores); ``--quick`` leaves them out.
@@ -99,6 +82,7 @@ SLOW = (
     "examples-poptorch-bert-large-pretrain-seq512-pod16",
     "examples-tf2-bert-large-pretrain-seq128-pod16",
     "examples-poptorch-bert-large-pretrain-seq128-pod16",
+    "examples-poptorch-efficientnet-b4-g16-gn-train-pod16",  # ~880 layers: 507 s at load 15
 )
 
 _SYSTEM16 = {"ipu2": "pod16", "bow": "bow-pod16"}
@@ -137,6 +121,9 @@ class Plan:
     # the notes made from the estimate and that afterwards (sizes of what was not expressed).
     capture: Callable[[], Any] | None = None
     after: Callable[[Any, Any], list[str]] | None = None
+    # The bytes each unexpressible option would save on the fullest tile, from the estimate
+    # and what it found ({"options": {name: bytes}}; scored by ``accounted_for``).
+    accounting: Callable[[Any, Any], dict[str, Any]] | None = None
 
 
 @contextlib.contextmanager
@@ -218,10 +205,15 @@ def _checkpointed(model: Any, after: Callable[[str], bool]) -> Any:
                                         call_function=call)
 
 
-def _amp(case: dict[str, Any], plan_notes: list[str]) -> Any:
+def _amp(case: dict[str, Any], plan_notes: list[str],
+         stage_ipus: Sequence[int] | None = None) -> Any:
     """``available_memory_proportion=`` for the case: one value for both kinds of product, a
-    dict per kind, or None (PopLibs' default). A value per IPU or per stage cannot be given:
-    the largest is applied to every IPU, and that is named in ``plan_notes``."""
+    dict per kind, or None (PopLibs' default). A value per IPU (or per stage) that differs
+    between IPUs is given per stage when the case is pipelined (``stage_ipus``: each stage's
+    IPU): a list, stage s taking its IPU's value (per stage: its own), as Graphcore's TF2 BERT
+    builds its ``PipelineStageOptions`` (``ipu_utils.get_poplar_options_per_pipeline_stage``,
+    the list indexed by each stage's IPU) for the forward and backward passes. Without
+    ``stage_ipus`` the largest is applied to every IPU, and that is named in ``plan_notes``."""
     amp = case.get("available_memory_proportion")
     if not isinstance(amp, dict):
         return None
@@ -236,6 +228,14 @@ def _amp(case: dict[str, Any], plan_notes: list[str]) -> Any:
                       ("per_stage", None)):
         values = amp.get(key)
         if isinstance(values, list) and values:
+            if len(set(values)) > 1 and stage_ipus is not None:
+                by_stage = values if kind is None else [values[ipu] for ipu in stage_ipus]
+                if len(by_stage) != len(stage_ipus):
+                    raise ValueError(f"{case['id']}: {len(by_stage)} availableMemoryProportion "
+                                     f"values for {len(stage_ipus)} stages")
+                return [{**per_kind, **({"matmul": float(v), "convolution": float(v)}
+                                        if kind is None else {kind: float(v)})}
+                        for v in by_stage]
             top = max(float(v) for v in values)
             if len(set(values)) > 1:
                 plan_notes.append(f"availableMemoryProportion per IPU {values} (one value per "
@@ -272,8 +272,13 @@ def _describe(plan: Plan, case: dict[str, Any]) -> str:
         parts.append(f"{o['gradient_accumulation_steps_per_replica']} micro-batches")
     if o.get("recomputation"):
         parts.append("recomputation")
-    if o.get("available_memory_proportion") is not None:
-        parts.append(f"AMP {o['available_memory_proportion']}")
+    amp = o.get("available_memory_proportion")
+    if isinstance(amp, list):  # per stage (its IPU's value), forward and backward
+        parts.append("AMP per stage " + ", ".join(
+            "/".join(f"{v:g}" for v in a.values()) if isinstance(a, dict) else f"{a}"
+            for a in amp))
+    elif amp is not None:
+        parts.append(f"AMP {amp}")
     return ", ".join(parts)
 
 
@@ -467,7 +472,8 @@ def _lstm_tutorial(case: dict[str, Any]) -> Plan:
     options = {"ipu_version": case["ipu"], "recomputation": True,
                "label_spec": tf.TensorSpec([None, seq], tf.float32)}
     return Plan(model, int(case["micro_batch"]), True, options, "float32",
-                expressed=[f"{checkpoints} RecomputationCheckpoint(s), PopnnLSTM -> keras LSTM"])
+                expressed=[f"{checkpoints} RecomputationCheckpoint(s), PopnnLSTM -> keras LSTM "
+                          "(its sequences laid out and its backward sized as PopLibs' kernel)"])
 
 
 # BERT ------------------------------------------------------------------------------------
@@ -549,10 +555,19 @@ def _bert_mlperf(case: dict[str, Any]) -> Plan:
                      f"policy's FP16 here)")
     options = {"ipu_version": case["ipu"], "replicas": replicas,
                "system": _SYSTEM16[case["ipu"]], "recomputation": True,
-               "available_memory_proportion": _amp(case, notes)}
-    capture, after = None, None
+               "available_memory_proportion": _amp(case, notes, ipus)}
+    capture, after, accounting = None, None, None
     if "activation_checkpoints" in case["precision"] or (sharding and not offload):
         capture = bench_mlperf._checkpoint_stash
+
+        def accounting(est: Any, found: Any) -> dict[str, Any]:
+            saved = bench_mlperf._unexpressed(est, found, replicas)
+            options = {}
+            if "activation_checkpoints" in case["precision"]:
+                options["FP8 activation checkpoints"] = saved["fp8"]
+            if sharding and not offload:
+                options["optimizer state sharded on chip"] = saved["sharding"]
+            return {"options": options}
 
         def after(est: Any, found: Any) -> list[str]:
             saved = bench_mlperf._unexpressed(est, found, replicas)
@@ -573,7 +588,7 @@ def _bert_mlperf(case: dict[str, Any]) -> Plan:
                 expressed=[placement, f"stages on IPUs {ipus}", "the submission's checkpoints",
                            f"vocab {vocab}", "FP16 attention probabilities",
                            f"offload {offload}, sharding {sharding and offload}"],
-                unexpressed=notes, capture=capture, after=after)
+                unexpressed=notes, capture=capture, after=after, accounting=accounting)
 
 
 def _bert_examples(case: dict[str, Any]) -> Plan:
@@ -629,12 +644,259 @@ def _bert_examples(case: dict[str, Any]) -> Plan:
         notes.append(f"embedding serialization x{other['embedding_serialization_factor']}")
     options = {"ipu_version": case["ipu"], "replicas": int(case["replicas"]),
                "system": _SYSTEM16[case["ipu"]], "recomputation": True,
-               "available_memory_proportion": _amp(case, notes)}
+               "available_memory_proportion": _amp(case, notes, ipus)}
     return Plan(model, micro, True, options, "float16",
                 expressed=[f"{layers}x{hidden} seq {seq} vocab {vocab}",
                            f"stages on IPUs {ipus}", "a checkpoint after every encoder layer",
                            "FP16 attention probabilities", f"offload {offload}, sharding {sharding}"],
                 unexpressed=notes)
+
+
+# U-Net, ViT, GPT-2, EfficientNet-GN and the Poplar tutorial's matmuls -------------------------
+
+
+def _on_chip_sharding_note(replicas: int) -> tuple[Callable[[], Any], Callable[[Any, Any], list[str]]]:
+    """``Plan.capture`` / ``Plan.after`` sizing replicated tensor sharding of on-chip optimizer
+    state (PopTorch's ``useReplicatedTensorSharding`` with on-chip storage; tf_ipu shards only
+    offloaded state) on the fullest tile, as for the MLPerf v2.0 BERT."""
+    from bench import bench_mlperf
+
+    def after(est: Any, found: Any) -> list[str]:
+        saved = bench_mlperf._unexpressed(est, found, replicas)["sharding"]
+        return [f"optimizer state sharded on chip over the {replicas} replicas (tf_ipu shards only "
+                f"offloaded state): would save {saved:,} B on the fullest tile"]
+
+    return bench_mlperf._checkpoint_stash, after
+
+
+def _unet_case(case: dict[str, Any]) -> Plan:
+    """Graphcore's TF2 U-Net (``tf_ipu.models.unet``: 572x572x1, central-crop skips, 2 classes,
+    dropout 0.5, FP16 as ``set_floatx('float16')``): training as a 4-stage pipeline on 4 IPUs
+    split as ``set_pipeline_stages`` splits it (Grouped, RecomputationMode.Auto, no offload,
+    SGD momentum 0.99, the dice + cross-entropy loss), or inference on one IPU."""
+    import keras
+
+    import tf_ipu
+    from tf_ipu.models.unet import dice_ce_loss, unet, unet_pipeline_stages
+
+    schedules, modes = _modes()
+    notes: list[str] = []
+    training = bool(case["training"])
+    with tf_ipu.IPUStrategy().scope():
+        model = unet(dropout=0.5)
+        if training:
+            model.compile(optimizer=keras.optimizers.SGD(0.0024, momentum=0.99), loss=dice_ce_loss)
+    options: dict[str, Any] = {"ipu_version": case["ipu"], "replicas": int(case["replicas"]),
+                               "available_memory_proportion": _amp(case, notes)}
+    expressed = ["572x572x1 U-Net, valid convolutions, central-crop skips (Cropping2D)",
+                 "FP16 weights and activations (float16 policy)"]
+    if training:
+        stages = unet_pipeline_stages(model)
+        _pipeline(model, stages, [0, 1, 2, 3], int(case["gradient_accumulation"]),
+                  schedules.Grouped, modes.Auto, offload_weight_update_variables=False)
+        options["recomputation"] = bool(case["recomputation"]["enabled"])
+        expressed += ["4 stages split as set_pipeline_stages (crops forced to stages 0, 0, 1)",
+                      "Grouped, RecomputationMode.Auto, allow_recompute",
+                      "SGD momentum 0.99, dice + cross-entropy in FP32"]
+        notes += ["static loss scale 128 (a scalar)",
+                  "internal exchange optimisation target 'balanced' (not modelled)"]
+    else:
+        notes.append("4 copies of the program (mpirun --np 4), one IPU each: one is estimated")
+    return Plan(model, int(case["micro_batch"]), training, options, "float16",
+                expressed=expressed, unexpressed=notes)
+
+
+def _vit_case(case: dict[str, Any]) -> Plan:
+    """Graphcore's PopTorch ViT-B/16 fine-tuning (``tf_ipu.models.vit``): Hugging Face's
+    ViTForImageClassification at 224x224, FP16 (attention softmax too), hidden dropout 0.1,
+    one stage per IPU from ``layers_per_ipu``, a checkpoint after every encoder layer, SGD
+    with momentum, optimizer state on chip."""
+    import keras
+
+    import tf_ipu
+    from tf_ipu.models.vit import vit, vit_pipeline_stages
+
+    schedules, modes = _modes()
+    other, pipe, notes = case["other_options"], case["pipeline"], []
+    replicas = int(case["replicas"])
+    with tf_ipu.IPUStrategy().scope():
+        model = vit(dropout=float(other["hidden_dropout_prob"]),
+                    attention_dropout=float(other["attention_probs_dropout_prob"]),
+                    checkpoints="every_layer")
+        model.compile(optimizer=keras.optimizers.SGD(0.08, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    per_ipu = list(pipe["layers_per_ipu"])
+    stages = vit_pipeline_stages(model, per_ipu)
+    _pipeline(model, stages, list(range(len(per_ipu))), int(case["gradient_accumulation"]),
+              schedules.Grouped, modes.RecomputeAndBackpropagateInterleaved,
+              offload_weight_update_variables=False)
+    options = {"ipu_version": case["ipu"], "replicas": replicas, "system": _SYSTEM16[case["ipu"]],
+               "recomputation": True, "available_memory_proportion": _amp(case, notes)}
+    notes += ["recompute_mid_layers [1, 4, 7, 10]: read only by the pre-training model "
+              "(models/modules.py Block), not by the fine-tuned Hugging Face model: none here",
+              "loss scaling 0.25, stochastic rounding (no memory)"]
+    capture, after = _on_chip_sharding_note(replicas)
+    return Plan(model, int(case["micro_batch"]), True, options, "float16",
+                expressed=["ViT-B/16 224x224, 1000 classes", f"layers_per_ipu {per_ipu}, a stage "
+                           "per IPU", "a checkpoint after every encoder layer",
+                           "FP16 attention probabilities", "SGD momentum (FP16 first order)",
+                           "hidden dropout 0.1"],
+                unexpressed=notes, capture=capture, after=after)
+
+
+#: GPT-2 sizes (``config/config.json``, ``config_medium.json`` of Graphcore's application).
+_GPT2 = {"small": (12, 768, 12), "medium": (24, 1024, 16)}
+
+
+def _gpt2_case(case: dict[str, Any]) -> Plan:
+    """Graphcore's PopTorch GPT-2 (``tf_ipu.models.gpt2``, vocabulary 50272, FP16 with FP16
+    attention probabilities, tied LM head): training pipelined with a stage per BeginBlock
+    (``AutoStage.AutoIncrement``: wte, wpe, each decoder layer, the LM head; IPUs from
+    ``layers_per_ipu``), a checkpoint after every layer, the loss serialized over 128-token
+    chunks in FP16, AdamW with its state offloaded and sharded; or inference
+    (``ShardedExecution``: the same stages one after another, the Sequential schedule)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_ipu
+    from tf_ipu.models.gpt2 import gpt2, gpt2_pipeline_stages, lm_loss
+
+    schedules, modes = _modes()
+    other, pipe, notes = case["other_options"], case["pipeline"], []
+    layers, hidden, heads = _GPT2["medium" if "medium" in case["id"] else "small"]
+    seq, training, replicas = int(other["max_len"]), bool(case["training"]), int(case["replicas"])
+    with tf_ipu.IPUStrategy().scope():
+        model = gpt2(layers, hidden, heads, seq, vocab=50272,
+                     checkpoints="every_layer" if training else None)
+        if training:
+            model.compile(optimizer=keras.optimizers.AdamW(1.5e-4),
+                          loss=lm_loss(serialized_seq_len=128, dtype="float16"))
+    stages, ipus = gpt2_pipeline_stages(model, pipe["layers_per_ipu"])
+    offload = str(case["offload"].get("optimizer_state_offchip", "")).startswith("True")
+    sharding = bool(case["offload"].get("replicated_tensor_sharding"))
+    if training:
+        _pipeline(model, stages, ipus, int(case["gradient_accumulation"]), schedules.Grouped,
+                  modes.RecomputeAndBackpropagateInterleaved,
+                  offload_weight_update_variables=offload,
+                  replicated_optimizer_state_sharding=sharding and offload)
+    else:
+        _pipeline(model, stages, ipus, 1, schedules.Sequential)
+    options = {"ipu_version": case["ipu"], "replicas": replicas,
+               "system": _SYSTEM16[case["ipu"]] if replicas * case["ipus_per_replica"] == 16 else None,
+               "recomputation": training, "available_memory_proportion": _amp(case, notes),
+               "label_spec": tf.TensorSpec([None, seq], tf.int32)}
+    logits = seq * 50272 * 2
+    notes += [f"LM head serialized x{other['embedding_serialization_factor']} over its output "
+              f"channels (one matmul here; the FP16 logits are {logits:,} B per micro-batch "
+              f"on IPU 0 either way)"]
+    if other.get("remap_logit"):
+        notes.append("RemapCE custom op on each logit chunk (a layout change; not modelled)")
+    expressed = [f"GPT-2 {layers}x{hidden}, {heads} heads, sequence {seq}, vocab 50272, tied LM head",
+                 f"layers_per_ipu {pipe['layers_per_ipu']}: {max(stages) + 1} stages on IPUs {ipus}",
+                 "FP16 attention probabilities"]
+    if training:
+        expressed += ["a checkpoint after every decoder layer", "dropout 0.1",
+                      "loss serialized over 128-token chunks, in FP16",
+                      f"AdamW, offload {offload}, sharding {sharding and offload}"]
+    else:
+        expressed.append("ShardedExecution as the Sequential schedule, one micro-batch")
+    return Plan(model, int(case["micro_batch"]), training, options, "float16",
+                expressed=expressed, unexpressed=notes)
+
+
+def _efficientnet_gn_case(case: dict[str, Any]) -> Plan:
+    """Graphcore's PopTorch EfficientNet-B4-G16-GN training (``tf_ipu.models.efficientnet_gn``,
+    380x380, 8-bit images normalized on the IPU, FP16): two stages split at
+    ``blocks/3/0/bn2``, checkpoints after the residual adds ``add_1`` and ``add_3``,
+    RMSprop with momentum (state on chip)."""
+    import keras
+
+    import tf_ipu
+    from tf_ipu.models.efficientnet_gn import efficientnet_gn
+
+    schedules, modes = _modes()
+    pipe, notes = case["pipeline"], []
+    replicas = int(case["replicas"])
+    checkpoints = [0 if c == "add" else int(c.split("_")[1]) for c in case["recomputation"]["checkpoints"]]
+    split = pipe["pipeline_splits"][0]  # the first layer of stage 1 (PopTorch BeginBlock)
+    m = re.fullmatch(r"blocks/(\d+)/(\d+)/(\w+)", split)
+    first = f"blocks_{m.group(1)}_{m.group(2)}_{m.group(3)}"
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the application's ImageNet ones
+    with tf_ipu.IPUStrategy().scope():
+        scale = [keras.layers.Rescaling(1 / 255.0, name="to_unit"),
+                 keras.layers.Normalization(mean=mean, variance=[s * s for s in std], name="normalize")]
+        model = efficientnet_gn("b4", checkpoints=checkpoints, input_layers=scale,
+                                input_dtype="uint8")
+        model.compile(optimizer=keras.optimizers.RMSprop(0.1, rho=0.953125, momentum=0.9,
+                                                         epsilon=1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    names = [a.layer.name for a in model.get_pipeline_stage_assignment()]
+    stages = [int(i >= names.index(first)) for i in range(len(names))]
+    _pipeline(model, stages, [0, 1], int(case["gradient_accumulation"]), schedules.Grouped,
+              modes.RecomputeAndBackpropagateInterleaved, offload_weight_update_variables=False)
+    options = {"ipu_version": case["ipu"], "replicas": replicas, "system": _SYSTEM16[case["ipu"]],
+               "recomputation": True, "available_memory_proportion": _amp(case, notes)}
+    notes += ["exchange memory target 'memory' (not modelled)",
+              "mixup / cutmix on the IPU, label smoothing 0.1 (no large tensors)",
+              "precision: Keras's GroupNormalization upcasts FP16 activations to FP32 for the "
+              "whole normalization (keras/src/layers/normalization/group_normalization.py), so "
+              "the estimate holds FP32 copies; the application's torch.nn.GroupNorm on the "
+              ".half() model (models/model_manipulator.py) keeps them FP16"]
+    capture, after = _on_chip_sharding_note(replicas)
+    return Plan(model, int(case["micro_batch"]), True, options, "float16",
+                expressed=["EfficientNet-B4 380x380, expand 4, group dim 16, GroupNorm(4)",
+                           "8-bit images (uint8 input), normalized on the IPU",
+                           f"stage 1 from {first}", f"checkpoints after residual adds {checkpoints}",
+                           "RMSprop with momentum (two slots), offload False"],
+                unexpressed=notes, capture=capture, after=after)
+
+
+def _poplar_tut4(case: dict[str, Any]) -> Plan:
+    """The Poplar profiling tutorial's enlarged program as TensorFlow: three FP32 variables of
+    its shapes (m1 [9000, 7500], m2 [7500, 300], m3 [300, 200]) and ``(m1 m2) m3``, inference
+    on one IPU2 (the tutorial's profile shows a 1472-tile target). The arithmetic is the
+    tutorial's; the variables' layout is not: tf_ipu lays a matmul's variable out as the
+    matmul wants it, where the C++ program maps each variable linearly over the tiles
+    (``poputil::mapTensorLinearly``) and ``poplin::matMul`` must then rearrange m1 into its
+    own layout, a second copy of m1 while it runs. The sizes of that copy on a tile are
+    named beside the verdict."""
+    import keras
+    from keras import ops
+
+    shapes = {"m1": (9000, 7500), "m2": (7500, 300), "m3": (300, 200)}
+
+    class Tut4(keras.layers.Layer):
+        """Three variables and two matmuls; the input (one number) only makes it a model."""
+
+        def build(self, input_shape: Any) -> None:
+            self.m = {k: self.add_weight(shape=s, initializer="zeros", name=k, dtype="float32")
+                      for k, s in shapes.items()}
+
+        def call(self, x: Any) -> Any:
+            return ops.matmul(ops.matmul(self.m["m1"], self.m["m2"]), self.m["m3"])
+
+        def compute_output_shape(self, input_shape: Any) -> tuple[int, int]:
+            return (shapes["m1"][0], shapes["m3"][1])
+
+    import tf_ipu
+
+    with tf_ipu.IPUStrategy().scope():
+        x = keras.Input((1,), name="unused")
+        model = keras.Model(x, Tut4(name="tut4")(x), name="poplar_tut4")
+    m1 = 4 * shapes["m1"][0] * shapes["m1"][1]
+
+    def after(est: Any, found: Any) -> list[str]:
+        tiles = _TILES[case["ipu"]]
+        copy = m1 // tiles
+        step = getattr(est, "step", est)
+        return [f"linear variable mapping (mapTensorLinearly): poplin rearranges m1 ({m1:,} B) into "
+                f"the matmul's layout, a second copy of about {copy:,} B a tile while m4 is made: "
+                f"with it the peak would be about {est.peak_tile_bytes + copy:,} B against "
+                f"{int(step.tile_bytes_limit):,} B"]
+
+    return Plan(model, 1, False, {"ipu_version": case["ipu"]}, "float32",
+                expressed=["FP32 variables m1, m2, m3 of the tutorial's shapes", "m5 = (m1 m2) m3"],
+                unexpressed=[], capture=None, after=after)
 
 
 def _builder(case: dict[str, Any]) -> Callable[[dict[str, Any]], Plan] | None:
@@ -650,6 +912,16 @@ def _builder(case: dict[str, Any]) -> Callable[[dict[str, Any]], Plan] | None:
         return _bert_mlperf if case["group"] == "mlperf" else _bert_examples
     if "efficientnet-b0" in cid:
         return _efficientnet_b0
+    if "unet" in cid:
+        return _unet_case
+    if "vit-b16" in cid:
+        return _vit_case
+    if "gpt2" in cid:
+        return _gpt2_case
+    if "efficientnet-b4-g16-gn" in cid:
+        return _efficientnet_gn_case
+    if cid == "documented-oom-poplar-tut4-matmul-9000x7500":
+        return _poplar_tut4
     if "resnet50" in cid:
         pipe = case.get("pipeline") or {}
         return _resnet_pipelined if pipe.get("pipeline_splits") else _resnet_flat
@@ -669,7 +941,7 @@ def _verdict(est: Any) -> str:
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Builds and estimates one case: its row (never raises; an error is recorded)."""
-    import tf_ipu
+    import tf_ipu  # noqa: F401  (imported before the builders run, as they expect)
 
     published = case["published_verdict"]["verdict"]
     row: dict[str, Any] = {"id": case["id"], "group": case["group"],
@@ -693,12 +965,21 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                 options["partials_type"] = "half"
             options = {k: v for k, v in options.items() if v is not None}
             t1 = time.perf_counter()
-            with plan.capture() if plan.capture else contextlib.nullcontext() as found:
-                est = tf_ipu.estimate(plan.model, plan.batch, training=plan.training, **options)
+            est, found, shared = _estimate(plan, options)
+            if shared:
+                row["estimated_by"] = ("bench_mlperf, earlier in this process (the same model "
+                                       "and options)")
             row["seconds"] = round(time.perf_counter() - t1, 1)
         step = getattr(est, "step", est)
         capacity = int(step.tile_bytes_limit)
         unexpressed = list(plan.unexpressed) + (plan.after(est, found) if plan.after else [])
+        if plan.accounting is not None:
+            saved = plan.accounting(est, found)
+            row["accounting"] = {
+                "options": {k: int(v) for k, v in saved["options"].items()},
+                "saved_bytes": int(sum(saved["options"].values())),
+                "over_bytes": max(0, int(est.peak_tile_bytes) - int(step.tile_bytes_limit)),
+                "peak_tile": int(est.peak_tile), "peak_ipu": int(getattr(step, "peak_ipu", 0))}
         row.update({
             "built": True, "configuration": _describe(Plan(plan.model, plan.batch, plan.training,
                                                            options, plan.policy), case),
@@ -720,6 +1001,26 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _estimate(plan: Plan, options: dict[str, Any]) -> tuple[Any, Any, bool]:
+    """``tf_ipu.estimate`` of the plan (with its capture): the Estimate, what the capture
+    recorded, and whether both come from bench_mlperf's run of the same model with the same
+    options earlier in this process (``bench_mlperf.shared_key``: ``make bench`` runs that
+    bench first, and its BERT runs are the MLPerf BERT cases here), which then is not
+    estimated again."""
+    import tf_ipu
+
+    mlperf = sys.modules.get("bench.bench_mlperf")
+    key = None
+    if mlperf is not None and plan.capture in (None, mlperf._checkpoint_stash):
+        key = mlperf.shared_key(plan.model, plan.batch, plan.training, options)
+    if key is not None and key in mlperf.SHARED:
+        est, stashed = mlperf.SHARED[key]
+        return est, (stashed if plan.capture else None), True
+    with plan.capture() if plan.capture else contextlib.nullcontext() as found:
+        est = tf_ipu.estimate(plan.model, plan.batch, training=plan.training, **options)
+    return est, found, False
+
+
 def _is_pipelined(model: Any) -> bool:
     from tf_ipu import pipelining
 
@@ -734,10 +1035,23 @@ def _release() -> None:
     gc.collect()
 
 
+def accounted_for(row: dict[str, Any]) -> bool:
+    """A published fit the estimate puts over the SRAM, whose options the project cannot
+    express are sized on its fullest tile (``accounting``: bytes per option) and together save
+    at least the bytes it is over: the verdict names them and shows they account for the
+    excess (issue 24's rule for MLPerf v2.0), so it is not scored wrong, nor right."""
+    a = row.get("accounting") or {}
+    return (row.get("published") == "fits" and row.get("built") and row.get("right") is False
+            and bool(a.get("options")) and 0 < int(a.get("over_bytes", 0))
+            <= int(a.get("saved_bytes", 0)))
+
+
 def score(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Fits and out-of-memory cases scored separately: per published verdict, the cases right,
     built and published. A case of a controlled pair (PAIRS) counts as right only if both
-    halves are right (a half not built or unknown makes both wrong)."""
+    halves are right (a half not built or unknown makes both wrong). Cases whose excess the
+    unexpressible options account for, in bytes (``accounted_for``), are listed apart
+    (``accounted_for``), not as right."""
     right = {r["id"]: r.get("right") is True for r in rows}
     pairs = []
     for a, b in PAIRS:
@@ -753,10 +1067,13 @@ def score(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[verdict] = {"right": sum(right[r["id"]] for r in built), "built": len(built),
                         "published": len(published)}
     out["pairs"] = pairs
+    out["accounted_for"] = [r["id"] for r in rows if accounted_for(r)]
     return out
 
 
 def _mark(row: dict[str, Any]) -> str:
+    if accounted_for(row):
+        return "acct."
     return {True: "right", False: "WRONG", None: "-"}[row.get("right")]
 
 
@@ -783,6 +1100,9 @@ def score_lines(s: dict[str, Any]) -> list[str]:
         v = s[verdict]
         lines.append(f"  {verdict}: {v['right']} right of {v['built']} built "
                      f"({v['published']} published)")
+    for cid in s.get("accounted_for", []):
+        lines.append(f"  accounted for (not right, not wrong): {cid}: over the tile by no more "
+                     f"than its unexpressible options would save, in bytes")
     for p in s["pairs"]:
         lines.append(f"  pair {p['cases'][0]} / {p['cases'][1]}: "
                      f"{'both right' if p['both_right'] else 'not both right'}")
@@ -793,8 +1113,10 @@ def main(quick: bool = False, only: Sequence[str] | None = None) -> list[dict[st
     """Estimates every case (``quick``: not the SLOW ones), prints the table and the scores;
     returns the rows, then a summary row."""
     cases = load_cases()
+    # FIT_CASES=a,b (ids, or parts of ids) selects cases under bench/run.py too.
+    only = list(only or []) + [p for p in os.environ.get("FIT_CASES", "").split(",") if p]
     if only:
-        cases = [c for c in cases if c["id"] in only]
+        cases = [c for c in cases if any(p == c["id"] or p in c["id"] for p in only)]
     elif quick:
         cases = [c for c in cases if c["id"] not in SLOW]
     print(f"Verdicts against the hardware: {len(cases)} published cases "
@@ -834,5 +1156,13 @@ def main(quick: bool = False, only: Sequence[str] | None = None) -> list[dict[st
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    results = None
+    if "--results" in args:  # --results DIR: the rows also go to DIR/fit_cases.json
+        at = args.index("--results")
+        results, args = args[at + 1], args[:at] + args[at + 2:]
     only = args[args.index("--only") + 1:] if "--only" in args else None
-    main("--quick" in args, only)
+    out = main("--quick" in args, only)
+    if results:
+        os.makedirs(results, exist_ok=True)
+        with open(os.path.join(results, "fit_cases.json"), "w") as f:
+            json.dump({"command": " ".join(["python", *sys.argv]), "rows": out}, f, indent=1)

@@ -49,11 +49,17 @@ span hosts and gateways). Each is estimated with the configuration its submissio
 Pod64 and larger (``pods_main``; ``--only mlperf_pods``, ``--quick``: ResNet-50 only): the
 closed-division runs on IPU-POD64/128/256 and Bow Pod64/128/256 (never fitted), each at the
 configuration its log states (ResNet-50: replicas = IPUs, micro-batch and accumulation from
-the log; BERT: the IPUs, global batch and accumulation from the log, the round's Pod16
-pipeline and options, replicas = IPUs / the pipeline's IPUs, micro-batch = global batch /
-(2 x replicas x accumulation)), on the systems of device_server/protocol/hardware.py (GCL's
-hierarchical all-reduce across Pod64s: docs/tile_model.md, "Pods"), and the speed-up from the round's
-Pod16 run, estimated against measured (the issue's target: within 15%).
+the log; BERT: each pod's own configuration file, ``_BERT_PODS``: 8-IPU pipelines, where the
+Pod16 runs had 4 (v1.0, v1.1), the optimizer state on chip, the config's replicas,
+batch_size and accumulation, checked against the log's IPUs, global batch and accumulation),
+on the systems of device_server/protocol/hardware.py (GCL's hierarchical all-reduce across
+Pod64s: docs/tile_model.md, "Pods"), and the speed-up from the round's Pod16 run, estimated
+against measured (the issue's target: within 15%). A per-replica program is lowered and
+planned once (``_plan_once``) and re-costed for each pod's replicas, system and
+accumulation. Beside each run: the all-reduce's share, the throughput per IPU, what the
+measured rate asked of the host servers' NICs (``System.host_feed``), and, per program run
+at several accumulation counts, the time per weight update split into a micro-batch's and
+an update's (``per_update_split``).
 
     .venv/bin/python bench/run.py --only mlperf_pods [--quick]
 """
@@ -61,6 +67,7 @@ Pod16 run, estimated against measured (the issue's target: within 15%).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -69,6 +76,7 @@ import re
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -98,17 +106,18 @@ class _BertRun(NamedTuple):
     vocab: int              # vocab_length
     amp: float              # availableMemoryProportion of the encoder matmuls (see _BERT_AMP)
     path: str               # the configuration file
+    amp_per_ipu: tuple[float, ...] = ()  # the config's per-IPU values, where they differ
 
 
 _BERT_V1 = "Graphcore/benchmarks/bert/implementations/popart/configs/mk2/pod16-closed.json"
-#: The rounds. v1.0 sets availableMemoryProportion per IPU, [0.20, 0.20, 0.25, 0.25]; the
-#: estimate takes one for every matmul, so v1.0 uses that of its fullest IPU (IPU 1, 0.20:
-#: bench/results/mlperf.json). v2.0 keeps its optimizer state on chip, sharded over its 2
+#: The rounds. v1.0 sets availableMemoryProportion per IPU, [0.20, 0.20, 0.25, 0.25]: each
+#: pipeline stage's matmuls take the value of the stage's IPU (``_bert_amp``, a list per stage
+#: for ``tf_ipu.estimate``; ``amp`` is IPU 1's, for the larger pods' rows). v2.0 keeps its optimizer state on chip, sharded over its 2
 #: replicas (RTS with TensorStorage.OnChip); Graphcore's TensorFlow shards only offloaded
 #: state (``replicated_optimizer_state_sharding``), so here it is on chip and whole.
 _BERT = (
     _BertRun("v1.0", "ipu2", 4, "4-IPU layers_per_ipu [3, 7, 7, 7]", 2, 192, True, True, 30400,
-             0.20, _BERT_V1),
+             0.20, _BERT_V1, (0.20, 0.20, 0.25, 0.25)),
     _BertRun("v1.1", "ipu2", 4, "4-IPU att_ffn_placement [[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], "
              "[0, [4, 5]]]", 2, 192, True, True, 30912, 0.23, _BERT_V1),
     _BertRun("v2.0", "bow", 2, "8-IPU att_ffn_placement [[1, [3, 3]], [2, [4, 3]], [3, [3, 3]], "
@@ -236,7 +245,11 @@ def _bert_layout(placement: str, layers: int = 24) -> _BertLayout:
     """``placement`` as the submissions' bert_model.py reads it (bench/fit_cases.json):
 
     - ``layers_per_ipu [..]`` (v1.0, ``encoder_start_ipu`` 0): whole layers, IPU i's in stage
-      i, the embedding with IPU 0's; the heads in a final stage on IPU 0;
+      i, the embedding with IPU 0's; the heads in a final stage on IPU 0; with
+      ``encoder_start_ipu 1`` appended (v1.0's Pod64 config) the embedding alone in stage 0 on
+      IPU 0 and entry i's layers in stage 1 + i on IPU 1 + i (bert_model.py,
+      ``init_device_placement``: a layer's IPU and stage are its offset plus
+      encoder_start_ipu; the heads one stage after the last layer's, on IPU 0);
     - ``att_ffn_placement [[ipu, [attention blocks, feed-forward blocks]], ..]`` (v1.1, v2.0,
       ``encoder_start_pipeline_stage`` 1): the embedding alone in stage 0 on IPU 0, entry p in
       stage 1 + p; the heads in the last entry's stage if it is on IPU 0, else in one more.
@@ -245,11 +258,17 @@ def _bert_layout(placement: str, layers: int = 24) -> _BertLayout:
     still mean v1.0's and v2.0's."""
     if "att_ffn_placement" in placement and "[" not in placement:
         placement = _V20_PLACEMENT
-    spec = json.loads(placement[placement.index("["):])
+    start = re.search(r"encoder_start_ipu (\d+)", placement)
+    spec = json.loads(placement[placement.index("["):start.start() if start else None].rstrip(", "))
     if "att_ffn_placement" in placement:
         att = [1 + p for p, (_, (a, _)) in enumerate(spec) for _ in range(a)]
         ffn = [1 + p for p, (_, (_, f)) in enumerate(spec) for _ in range(f)]
         ipus = [0] + [int(ipu) for ipu, _ in spec] + ([0] if spec[-1][0] != 0 else [])
+    elif start and int(start.group(1)) == 1:
+        att = ffn = [1 + ipu for ipu, n in enumerate(spec) for _ in range(n)]
+        ipus = list(range(len(spec) + 1)) + [0]
+    elif start and int(start.group(1)) != 0:
+        raise ValueError(f"{placement}: encoder_start_ipu {start.group(1)} is not modelled (0 or 1)")
     else:
         att = ffn = [ipu for ipu, n in enumerate(spec) for _ in range(n)]
         ipus = list(range(len(spec))) + [0]
@@ -327,7 +346,35 @@ def _bert(placement: str, micro_batches: int, offload: bool | None, *, vocab: in
             options["recomputation_mode"] = RecomputationMode.RecomputeAndBackpropagateInterleaved
         model.set_pipelining_options(gradient_accumulation_steps_per_replica=micro_batches,
                                      device_mapping=_bert_layout(placement).ipus, **options)
+    _BUILT[model] = repr(("bench_mlperf._bert", tuple(map(tuple, _bert_layout(placement))),
+                          micro_batches, offload, vocab, sharding, sorted(marks or ()), fp16_softmax))
     return model
+
+
+# ---- estimates shared within one process ------------------------------------------------------
+#: ``make bench`` (bench/run.py) runs this bench, then bench_fit_cases, in one process, and the
+#: verdict table's three MLPerf BERT cases are this bench's BERT runs: ``_bert`` with the same
+#: arguments, estimated with the same options. Each is estimated once: the per-step Estimate
+#: (what ``tf_ipu.estimate`` returns for a pipelined program without ``steps``; this bench's
+#: TrainingEstimate wraps it unchanged) and the checkpoint stash recorded while planning it,
+#: kept under ``shared_key``. Nothing is shared across processes or between different
+#: arguments or options.
+_BUILT: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+SHARED: dict[str, tuple[Any, dict[str, list[Any]]]] = {}
+
+
+def shared_key(model: Any, batch_size: int, training: bool, options: dict[str, Any]) -> str | None:
+    """What determines the estimate of ``model`` (a ``_bert`` model; None for any other): the
+    builder's arguments, the batch size, training, the dtype policy and every estimate option
+    (``steps`` aside: it only wraps the step's Estimate)."""
+    import keras
+
+    built = _BUILT.get(model)
+    if built is None:
+        return None
+    kept = sorted((k, repr(v)) for k, v in options.items() if k != "steps" and v is not None)
+    return repr((built, int(batch_size), bool(training),
+                 keras.mixed_precision.global_policy().name, kept))
 
 
 def _ratio_row(what: str, version: str, chip: str, measured: dict[str, Any], tput: float,
@@ -432,6 +479,16 @@ def _unexpressed(est: Any, found: dict[str, list[Any]], replicas: int) -> dict[s
     return {"fp8": int(round(fp8)), "sharding": int(round(state * (1 - 1 / replicas)))}
 
 
+def _bert_amp(run: _BertRun) -> Any:
+    """``tf_ipu.estimate``'s ``available_memory_proportion`` for ``run``'s matmuls: one value,
+    or, where the config sets one per IPU that differs, one per pipeline stage, the value of
+    the stage's IPU (bert_model.py indexes the list by each layer's IPU; the heads' stage on
+    IPU 0 takes IPU 0's), for its forward and backward passes."""
+    if len(set(run.amp_per_ipu)) <= 1:
+        return {"matmul": run.amp}
+    return [{"matmul": run.amp_per_ipu[ipu]} for ipu in _bert_layout(run.placement).ipus]
+
+
 def _bert_rows() -> list[dict[str, Any]]:
     import tf_ipu
 
@@ -442,16 +499,21 @@ def _bert_rows() -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         model = _bert(run.placement, run.accumulation, run.offload, vocab=run.vocab,
                       sharding=run.sharding, checkpoints=True)
+        options = {"ipu_version": run.chip, "replicas": run.replicas, "system": system,
+                   "recomputation": True, "available_memory_proportion": _bert_amp(run),
+                   "partials_type": "half"}  # enable_half_partials
         with _capturing() as captured, _checkpoint_stash() as stashed:
-            est = tf_ipu.estimate(model, run.micro, training=True, ipu_version=run.chip,
-                                  replicas=run.replicas, system=system, recomputation=True,
-                                  steps=1, available_memory_proportion={"matmul": run.amp},
-                                  partials_type="half")  # enable_half_partials
+            est = tf_ipu.estimate(model, run.micro, training=True, steps=1, **options)
+        key = shared_key(model, run.micro, True, options)
+        if key is not None:
+            SHARED[key] = (getattr(est, "step", est), stashed)
         tput = est.throughput * SEQUENCES_PER_ROW  # rows/s -> sequences/s
         ttt = m["trained"] / tput
+        amp_text = ("/".join(f"{a:g}" for a in run.amp_per_ipu) + " per IPU"
+                    if run.amp_per_ipu else f"{run.amp:g}")
         config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
                   f"rows x {run.accumulation} micro-batches, matmul availableMemoryProportion "
-                  f"{run.amp:g}, optimizer state {'offloaded' if run.offload else 'on chip'}"
+                  f"{amp_text}, optimizer state {'offloaded' if run.offload else 'on chip'}"
                   f"{', sharded' if run.sharding else ''}, checkpoints as submitted, FP16 "
                   f"attention probabilities, half partials, {m['trained']:,.0f} sequences ({run.path})")
         row = _ratio_row("BERT-Large", run.version, run.chip, m, tput, est, ttt, config,
@@ -463,7 +525,8 @@ def _bert_rows() -> list[dict[str, Any]]:
               f"{est.margin_bytes:,} B)")
         row.update({"peak_ipu": int(est.peak_ipu), "peak_tile": int(est.peak_tile),
                     "within_margin": bool(est.within_margin), "margin_bytes": int(est.margin_bytes),
-                    "verdict": verdict, "matmul_available_memory_proportion": run.amp})
+                    "verdict": verdict, "matmul_available_memory_proportion":
+                        list(run.amp_per_ipu) or run.amp})
         if run.version == "v2.0" and "checkpoints" in stashed:
             saved = _unexpressed(est, stashed, run.replicas)
             where = f"on tile {est.peak_tile} of IPU {est.peak_ipu}"
@@ -498,15 +561,99 @@ _POD_RUNS = {
                ("v2.0", "bow", "bow-pod64", ("Bow Pod64", "Bow-Pod64")),
                ("v2.0", "bow", "bow-pod128", ("Bow Pod128", "Bow-Pod128")),
                ("v2.0", "bow", "bow-pod256", ("Bow Pod256", "Bow-Pod256"))),
-    "bert": (("v1.0", "ipu2", "pod64", ("IPU-POD64",)),
-             ("v1.1", "ipu2", "pod64", ("IPU-POD64",)),
-             ("v1.1", "ipu2", "pod128", ("IPU-POD128",)),
-             ("v2.0", "bow", "bow-pod64", ("Bow Pod64", "Bow-Pod64")),
-             ("v2.0", "bow", "bow-pod128", ("Bow Pod128", "Bow-Pod128")),
-             ("v2.0", "bow", "bow-pod256", ("Bow Pod256", "Bow-Pod256"))),
 }
 #: The issue's target for the estimated speed-up from Pod16 against the measured one.
 SPEEDUP_TARGET = 0.15
+
+
+class _BertPodRun(NamedTuple):
+    """A BERT submission on Pod64 or larger: its own configuration file (not the round's
+    Pod16 one: every larger pod ran 8-IPU pipelines), only the options it sets."""
+
+    version: str
+    chip: str
+    system: str             # here (hardware.py)
+    names: tuple[str, ...]  # the table's names of the system
+    replicas: int           # replication_factor
+    placement: str          # layers_per_ipu (+ encoder_start_ipu) or att_ffn_placement
+    micro: int              # batch_size (packed rows)
+    accumulation: int       # gradient_accumulation_factor
+    vocab: int              # vocab_length
+    amp: float              # available_memory_proportion (IPU 1's)
+    path: str               # the configuration file (its round's mlcommons repository)
+    amp_per_ipu: tuple[float, ...] = ()  # the config's per-IPU values, where they differ
+
+
+_BERT_POD_CFG = "Graphcore/benchmarks/bert/implementations/popart/configs/"
+_V11_POD_PLACEMENT = ("8-IPU att_ffn_placement [[1, [2, 2]], [2, [3, 3]], [3, [4, 3]], [4, [3, 4]], "
+                      "[5, [4, 3]], [6, [3, 4]], [7, [4, 3]], [0, [1, 2]]]")
+_V11_POD_AMP = (0.20, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25)
+_V20_POD_PLACEMENT = ("8-IPU att_ffn_placement [[1, [3, 3]], [2, [3, 3]], [3, [3, 3]], [4, [4, 3]], "
+                      "[5, [3, 4]], [6, [4, 3]], [7, [3, 4]], [0, [1, 1]]]")
+#: BERT-Large's closed-division runs on Pod64 and larger, each with its configuration file in
+#: mlcommons/training_results_v1.0 (commit 8200377), v1.1 (f6f0443), v2.0 (482ba24). Every one
+#: sets ``optimizer_state_offchip: false`` and ``replicated_tensor_sharding: true`` (on-chip
+#: sharding, which Graphcore's TensorFlow does not do: the state is whole on each replica, as
+#: for v2.0's Pod16 run) and ``enable_half_partials``. ``available_memory_proportion`` is per
+#: IPU: v1.0 and v2.0 set 1 on all 8; v1.1 sets 0.20 on IPU 0 (embedding, heads and 1-2
+#: layers) and 0.25 on the 7 others, each stage's matmuls taking their IPU's (``_bert_amp``).
+#: replicas x micro x accumulation x 2 sequences a row is each log's global batch (checked).
+_BERT_PODS = (
+    _BertPodRun("v1.0", "ipu2", "pod64", ("IPU-POD64",), 8,
+                "8-IPU layers_per_ipu [3, 3, 3, 3, 4, 4, 4], encoder_start_ipu 1", 2, 96, 30400,
+                1.0, _BERT_POD_CFG + "mk2/pod64-closed.json"),
+    _BertPodRun("v1.1", "ipu2", "pod64", ("IPU-POD64",), 8, _V11_POD_PLACEMENT, 2, 96, 30912,
+                0.25, _BERT_POD_CFG + "mk2/pod64-closed.json", _V11_POD_AMP),
+    _BertPodRun("v1.1", "ipu2", "pod128", ("IPU-POD128",), 16, _V11_POD_PLACEMENT, 2, 96, 30912,
+                0.25, _BERT_POD_CFG + "mk2/pod128-closed.json", _V11_POD_AMP),
+    _BertPodRun("v2.0", "bow", "bow-pod64", ("Bow Pod64", "Bow-Pod64"), 8, _V20_POD_PLACEMENT, 3,
+                96, 30912, 1.0, _BERT_POD_CFG + "pod64-closed.json"),
+    _BertPodRun("v2.0", "bow", "bow-pod128", ("Bow Pod128", "Bow-Pod128"), 16, _V20_POD_PLACEMENT,
+                3, 64, 30912, 1.0, _BERT_POD_CFG + "pod128-closed.json"),
+    _BertPodRun("v2.0", "bow", "bow-pod256", ("Bow Pod256", "Bow-Pod256"), 32, _V20_POD_PLACEMENT,
+                3, 36, 30912, 1.0, _BERT_POD_CFG + "pod256-closed.json"),
+)
+
+
+@contextlib.contextmanager
+def _plan_once() -> Iterator[dict[str, int]]:
+    """Within it (and ``tf_ipu.estimate._lowerings``), a pipelined program is lowered once
+    whatever its micro-batches per weight update (they are not in the module, only in its
+    signature), and planned once whatever its replicas and system: each estimate re-costs
+    only what they change (``pipeline.estimate_pipeline``: the per-update all-reduce over the
+    new ring, host links, syncs, the timeline of its micro-batches). One thing stays from the
+    first planning: each tile's all-reduce receive chunk (1/R of its share, memory only).
+    Yields counts: ``plans`` made, ``reused``."""
+    from device_server.emulator.tiles import report
+
+    estimate_module = sys.modules["tf_ipu.estimate"]   # the package's name is the function
+    counts = {"plans": 0, "reused": 0}
+    kept: dict[tuple[Any, ...], Any] = {}
+    plan_module, lowering_key = report.plan_module, estimate_module._lowering_key
+
+    def key_without_micro_batches(model: Any, program: str, specs: Any, pipeline: Any) -> Any:
+        if pipeline:
+            pipeline = {k: v for k, v in pipeline.items() if k != "micro_batches"}
+        return lowering_key(model, program, specs, pipeline)
+
+    def planned(module: Any, target: Any, live: Any, **kw: Any) -> Any:
+        rep = kw.get("replication")
+        if kw.get("stages", 1) == 1 or live is not None or kw.get("mappings"):
+            return plan_module(module, target, live, **kw)
+        key = (id(module), repr(target), rep is not None and rep.replicated,
+               tuple(sorted((k, repr(v)) for k, v in kw.items() if k != "replication")))
+        if key not in kept:
+            counts["plans"] += 1
+            kept[key] = (module, plan_module(module, target, live, **kw))
+            return kept[key][1]
+        counts["reused"] += 1
+        return dataclasses.replace(kept[key][1], replication=rep)
+
+    report.plan_module, estimate_module._lowering_key = planned, key_without_micro_batches
+    try:
+        yield counts
+    finally:
+        report.plan_module, estimate_module._lowering_key = plan_module, lowering_key
 
 
 def _measured_pod(benchmark: str, version: str, systems: tuple[str, ...]) -> dict[str, Any]:
@@ -521,6 +668,31 @@ def _measured_pod(benchmark: str, version: str, systems: tuple[str, ...]) -> dic
     return m
 
 
+def _all_reduce_shares(est: Any) -> tuple[float, float]:
+    """The all-reduce's share of the time per weight update, and its GW-Links' part. A
+    pipelined estimate's step already spreads one update's all-reduce over its micro-batches
+    (its ``all_reduce_cycles`` / ``cycles`` is the share); a TrainingEstimate of a pipeline
+    divides by its accumulation again (``TrainingEstimate.all_reduce_share``), so the step's
+    are read. A pipelined step's all-reduce count per micro-batch is rounded (to 0 when the
+    micro-batches outnumber its all-reduces), which zeroes ``all_reduce_gw_cycles``: its GW-Link
+    part is then the bandwidth term alone, 2 (P - 1) / P x ``all_reduce_bytes`` / the GW-Link
+    stage's bytes/s (the GW steps' latency, 2 (P - 1) x 11 us per all-reduce, left out)."""
+    from tf_ipu.estimate import TrainingEstimate
+
+    if isinstance(est, TrainingEstimate) and not est.pipelined:
+        return est.all_reduce_share, est.all_reduce_gw_share
+    step = getattr(est, "step", est)
+    if not step.cycles:
+        return 0.0, 0.0
+    gw_cycles = step.all_reduce_gw_cycles
+    gw = (step.ring or {}).get("gw")
+    if not gw_cycles and gw and step.all_reduce_bytes:
+        p = len(gw["pods"])
+        gw_cycles = min(step.all_reduce_cycles, 2 * (p - 1) / p * step.all_reduce_bytes
+                        / gw["bytes_per_s"] * step.clock_hz)
+    return step.all_reduce_cycles / step.cycles, gw_cycles / step.cycles
+
+
 def _speedup_row(what: str, version: str, system: str, base: dict[str, Any], pod: dict[str, Any],
                  est_base: Any, est_pod: Any, tput_base: float, tput_pod: float, config: str,
                  seconds: float) -> dict[str, Any]:
@@ -528,51 +700,69 @@ def _speedup_row(what: str, version: str, system: str, base: dict[str, Any], pod
     estimated = tput_pod / tput_base
     ratio = estimated / measured
     links = " and ".join(est_pod.all_reduce_links) or "no links"
-    gw = (est_pod.all_reduce_gw_share if hasattr(est_pod, "all_reduce_gw_share")   # TrainingEstimate
-          else est_pod.all_reduce_gw_cycles / est_pod.cycles if est_pod.cycles else 0.0)
+    share, gw = _all_reduce_shares(est_pod)
+    base_share = _all_reduce_shares(est_base)[0]
     print(f"  {what} {version} {system}: {config}")
     print(f"    throughput measured {pod['throughput']:,.0f}/s (median of {pod['runs']} runs), "
           f"estimated {tput_pod:,.0f}/s; speed-up from the round's Pod16 measured "
           f"{measured:.2f}x, estimated {estimated:.2f}x: ratio {ratio:.3f} "
           f"({'within' if abs(ratio - 1) <= SPEEDUP_TARGET else 'outside'} the "
           f"{SPEEDUP_TARGET:.0%} target)   [{seconds:.0f} s to estimate]")
-    print(f"    all-reduce {est_pod.all_reduce_share:.1%} of the time per weight update, over "
+    print(f"    all-reduce {share:.1%} of the time per weight update, over "
           f"{links}" + (f" ({gw:.1%} on the GW-Links)" if gw else "")
-          + f"; Pod16: {est_base.all_reduce_share:.1%}")
+          + f"; Pod16: {base_share:.1%}")
+    from device_server.protocol import hardware
+
+    step = getattr(est_pod, "step", est_pod)   # a TrainingEstimate's Estimate
+    per_item = step.host_bytes_in / max(1, step.items_per_call) * est_pod.throughput / tput_pod
+    feeds = [hardware.get_system(name).host_feed(run["throughput"] * per_item, int(run["n_hosts"]))
+             for name, run in ((system, pod), (_POD16[hardware.get_system(system).ipu_version][0], base))]
+    if feeds[0]:
+        print(f"    host data, measured runs ({per_item:,.0f} B an item): {feeds[0]}; Pod16: {feeds[1]}")
+    per_ipu = (pod["throughput"] / pod["n_devices"], tput_pod / pod["n_devices"],
+               base["throughput"] / base["n_devices"], tput_base / base["n_devices"])
+    print(f"    per IPU: measured {per_ipu[0]:,.1f}/s (Pod16 {per_ipu[2]:,.1f}/s), estimated "
+          f"{per_ipu[1]:,.1f}/s (Pod16 {per_ipu[3]:,.1f}/s); estimated / measured "
+          f"{per_ipu[1] / per_ipu[0]:.3f} (Pod16 {per_ipu[3] / per_ipu[2]:.3f})")
     return {"benchmark": what, "round": version, "system": system, "configuration": config,
             "measured_throughput": pod["throughput"], "estimated_throughput": tput_pod,
             "measured_pod16_throughput": base["throughput"], "estimated_pod16_throughput": tput_base,
             "measured_speedup": measured, "estimated_speedup": estimated, "speedup_ratio": ratio,
             "within_target": abs(ratio - 1) <= SPEEDUP_TARGET, "runs": pod["runs"],
             "n_devices": pod["n_devices"], "n_hosts": pod["n_hosts"],
-            "all_reduce_share": est_pod.all_reduce_share, "all_reduce_links": est_pod.all_reduce_links,
-            "all_reduce_gw_share": gw, "pod16_all_reduce_share": est_base.all_reduce_share,
-            "fits": est_pod.fits, "estimate_seconds": seconds}
+            "all_reduce_share": share, "all_reduce_links": est_pod.all_reduce_links,
+            "all_reduce_gw_share": gw, "pod16_all_reduce_share": base_share,
+            "fits": est_pod.fits, "estimate_seconds": seconds,
+            "measured_per_ipu": per_ipu[0], "estimated_per_ipu": per_ipu[1],
+            "measured_pod16_per_ipu": per_ipu[2], "estimated_pod16_per_ipu": per_ipu[3],
+            "per_ipu_ratio": per_ipu[1] / per_ipu[0], "pod16_per_ipu_ratio": per_ipu[3] / per_ipu[2],
+            "host_bytes_per_item": per_item, "host_feed": feeds[0], "pod16_host_feed": feeds[1]}
 
 
 def _resnet_pod_rows() -> list[dict[str, Any]]:
     """ResNet-50 on each larger pod and on its round's Pod16, each at the configuration its log
-    states (replicas = IPUs, micro-batch = global batch / (IPUs x accumulation)); the model of
-    an accumulation count is built once and its lowering reused across systems."""
+    states (replicas = IPUs, micro-batch = global batch / (IPUs x accumulation)); one model,
+    lowered once per micro-batch and planned once per chip (``_plan_once``)."""
     import tf_ipu
     from tf_ipu.estimate import _lowerings
 
-    models: dict[int, Any] = {}
+    models: dict[str, Any] = {}
     planned: dict[tuple[Any, ...], Any] = {}
 
     def est(chip: str, system: str, replicas: int, micro: int, accumulation: int) -> Any:
         key = (chip, system, replicas, micro, accumulation)
         if key not in planned:
-            if accumulation not in models:
-                models[accumulation] = _resnet50(accumulation)
+            if "model" not in models:
+                models["model"] = _resnet50(accumulation)
             planned[key] = tf_ipu.estimate(
-                models[accumulation], micro, training=True, ipu_version=chip, replicas=replicas,
+                _with_accumulation(models["model"], accumulation), micro, training=True,
+                ipu_version=chip, replicas=replicas,
                 system=system, recomputation=True, partials_type="half",
                 available_memory_proportion={"convolution": _RESNET_CONV_AMP})
         return planned[key]
 
     rows = []
-    with _lowerings():
+    with _lowerings(), _plan_once() as counts:
         for version, chip, system, names in _POD_RUNS["resnet"]:
             base_system, base_names = _POD16[chip]
             base = _measured_pod("resnet", version, base_names)
@@ -591,55 +781,136 @@ def _resnet_pod_rows() -> list[dict[str, Any]]:
                       f"{int(base['accumulation'])}")
             rows.append(_speedup_row("ResNet-50", version, system, base, pod, b, e, b.throughput,
                                      e.throughput, config, time.perf_counter() - t0))
+            rows[-1].update(planned_once=dict(counts), sizes={
+                "pod": [replicas, micro, accumulation, f"micro-batch {micro}"],
+                "pod16": [int(base["n_devices"]), int(base["micro_batch"]), int(base["accumulation"]),
+                          f"micro-batch {int(base['micro_batch'])}"]})
     return rows
 
 
-def _bert_estimate(run: _BertRun, replicas: int, accumulation: int, system: str, micro: int) -> Any:
-    """BERT-Large as ``run`` configures it (``_bert_rows``'s options), with ``replicas``,
-    ``accumulation`` and ``micro`` packed rows per micro-batch on ``system``."""
+def _with_accumulation(model: Any, accumulation: int) -> Any:
+    """``model`` with ``accumulation`` micro-batches per weight update, its other pipelining
+    options as they were (the same model: within ``_plan_once`` it is lowered and planned
+    once whatever its accumulation)."""
+    from tf_ipu import pipelining
+
+    options = pipelining.pipelining_options(model)
+    if options.get("gradient_accumulation_steps_per_replica") != accumulation:
+        with model._distribute_strategy.scope():
+            model.set_pipelining_options(
+                gradient_accumulation_steps_per_replica=accumulation,
+                device_mapping=options["device_mapping"],
+                gradient_accumulation_reduction_method=options["gradient_accumulation_reduction_method"],
+                pipeline_schedule=options["pipeline_schedule"],
+                recomputation_mode=options["recomputation_mode"], **options["kwargs"])
+    return model
+
+
+def _bert_pod_estimate(models: dict[tuple[Any, ...], Any], chip: str, placement: str, vocab: int,
+                       offload: bool | None, sharding: bool, amp: Any, micro: int,
+                       accumulation: int, replicas: int, system: str) -> Any:
+    """BERT-Large with ``_bert_rows``' options (``placement``'s pipeline, the submission's
+    checkpoints, FP16 attention probabilities, half partials; ``amp``: ``_bert_amp``'s), one
+    model per program."""
     import tf_ipu
 
-    model = _bert(run.placement, accumulation, run.offload, vocab=run.vocab,
-                  sharding=run.sharding, checkpoints=True)
-    return tf_ipu.estimate(model, micro, training=True, ipu_version=run.chip,
-                           replicas=replicas, system=system, recomputation=True, steps=1,
-                           available_memory_proportion={"matmul": run.amp}, partials_type="half")
+    key = (placement, vocab, offload, sharding)
+    if key not in models:
+        models[key] = _bert(placement, accumulation, offload, vocab=vocab, sharding=sharding,
+                            checkpoints=True)
+    model = _with_accumulation(models[key], accumulation)
+    return tf_ipu.estimate(model, micro, training=True, ipu_version=chip, replicas=replicas,
+                           system=system, recomputation=True, steps=1,
+                           available_memory_proportion=amp, partials_type="half")
 
 
 def _bert_pod_rows() -> list[dict[str, Any]]:
-    """BERT-Large on each larger pod and on its round's Pod16. The logs state the IPUs, the
-    global batch and the accumulation; the pipeline (and its options) is the round's Pod16
-    configuration (``_BERT``), so replicas = IPUs / the pipeline's IPUs and the micro-batch =
-    global batch / (sequences per row x replicas x accumulation), which must be whole (v1.0 and
-    v1.1: 1 packed row on Pod64/128, where Pod16 ran 2; v2.0: 3, as on Pod16)."""
-    rows = []
+    """BERT-Large on each larger pod (``_BERT_PODS``: each submission's own configuration) and
+    on its round's Pod16 (``_BERT``); the logs' IPUs, global batch and accumulation are checked
+    against the configurations. A program is planned once (``_plan_once``): v1.1's Pod64 and
+    Pod128 share one, v2.0's three pods another."""
+    from tf_ipu.estimate import _lowerings
+
+    rows: list[dict[str, Any]] = []
+    models: dict[tuple[Any, ...], Any] = {}
     baselines: dict[str, tuple[Any, float]] = {}
-    for version, chip, system, names in _POD_RUNS["bert"]:
-        run = next(r for r in _BERT if r.version == version)
-        base_system, base_names = _POD16[chip]
-        base = _measured_pod("bert", version, base_names)
-        pod = _measured_pod("bert", version, names)
-        depth = len(set(_bert_layout(run.placement).ipus))
-        accumulation, replicas = int(pod["accumulation"]), int(pod["n_devices"]) // depth
-        micro, rest = divmod(int(pod["global_batch_size"]),
-                             SEQUENCES_PER_ROW * replicas * accumulation)
-        if rest or micro < 1 or replicas * depth != pod["n_devices"]:
-            raise RuntimeError(f"BERT-Large {version} {system}: the log's {pod['n_devices']} IPUs, "
-                               f"global batch {pod['global_batch_size']} and accumulation "
-                               f"{accumulation} fit no whole micro-batch of {depth}-IPU replicas")
-        t0 = time.perf_counter()
-        if version not in baselines:
-            b = _bert_estimate(run, run.replicas, run.accumulation, base_system, run.micro)
-            baselines[version] = (b, b.throughput * SEQUENCES_PER_ROW)
-        b, tput_base = baselines[version]
-        e = _bert_estimate(run, replicas, accumulation, system, micro)
-        config = (f"{replicas} replicas x a {depth}-IPU pipeline ({run.placement}), {micro} "
-                  f"packed rows x {accumulation} micro-batches (global batch "
-                  f"{pod['global_batch_size']:,} sequences, {pod['n_hosts']} host(s)); Pod16: "
-                  f"{run.replicas} replicas x {run.accumulation}")
-        rows.append(_speedup_row("BERT-Large", version, system, base, pod, b, e, tput_base,
-                                 e.throughput * SEQUENCES_PER_ROW, config, time.perf_counter() - t0))
+    with _lowerings(), _plan_once() as counts:
+        for run in _BERT_PODS:
+            base_run = next(r for r in _BERT if r.version == run.version)
+            base_system, base_names = _POD16[run.chip]
+            base = _measured_pod("bert", run.version, base_names)
+            pod = _measured_pod("bert", run.version, run.names)
+            depth = len(set(_bert_layout(run.placement).ipus))
+            stated = (run.replicas * depth, run.replicas * run.micro * run.accumulation * SEQUENCES_PER_ROW,
+                      run.accumulation)
+            if stated != (pod["n_devices"], pod["global_batch_size"], pod["accumulation"]):
+                raise RuntimeError(
+                    f"BERT-Large {run.version} {run.system}: {run.path} gives {stated[0]} IPUs, "
+                    f"global batch {stated[1]} and accumulation {stated[2]}; the log states "
+                    f"{pod['n_devices']}, {pod['global_batch_size']} and {pod['accumulation']}")
+            t0 = time.perf_counter()
+            if run.version not in baselines:
+                b = _bert_pod_estimate(models, run.chip, base_run.placement, base_run.vocab,
+                                       base_run.offload, base_run.sharding, _bert_amp(base_run),
+                                       base_run.micro, base_run.accumulation, base_run.replicas,
+                                       base_system)
+                baselines[run.version] = (b, b.throughput * SEQUENCES_PER_ROW)
+            b, tput_base = baselines[run.version]
+            e = _bert_pod_estimate(models, run.chip, run.placement, run.vocab, False, False,
+                                   _bert_amp(run), run.micro, run.accumulation, run.replicas,
+                                   run.system)
+            amp = ("/".join(f"{a:g}" for a in run.amp_per_ipu) + " per IPU" if run.amp_per_ipu
+                   else f"{run.amp:g}")
+            config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
+                      f"rows x {run.accumulation} micro-batches (global batch "
+                      f"{pod['global_batch_size']:,} sequences, {pod['n_hosts']} host(s)), matmul "
+                      f"availableMemoryProportion {amp}, optimizer state on chip ({run.path}); "
+                      f"Pod16: {base_run.replicas} replicas x {base_run.micro} x {base_run.accumulation}")
+            row = _speedup_row("BERT-Large", run.version, run.system, base, pod, b, e, tput_base,
+                               e.throughput * SEQUENCES_PER_ROW, config, time.perf_counter() - t0)
+            row.update(planned_once=dict(counts), sizes={
+                "pod": [run.replicas, run.micro * SEQUENCES_PER_ROW, run.accumulation,
+                        f"{run.placement}, {run.micro} rows, amp {amp}"],
+                "pod16": [base_run.replicas, base_run.micro * SEQUENCES_PER_ROW, base_run.accumulation,
+                          f"{base_run.placement}, {base_run.micro} rows, amp {_bert_amp(base_run)}"]})
+            rows.append(row)
     return rows
+
+
+def per_update_split(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's time per weight update, T = items per micro-batch x N x replicas / throughput,
+    measured and estimated, split as T = N x c + u (least squares) over the runs of one
+    per-replica program (one benchmark, round and micro-batch) at two or more accumulation
+    counts N: c, the time of a micro-batch, and u, what each weight update adds (update,
+    all-reduce, syncs, host). A reading of the measurements, fitted to nothing: the speed-up
+    from Pod16 (N = 6 to 10 for ResNet-50) to a larger pod (N = 2 to 4) depends on u / c."""
+    points: dict[tuple[str, str, str], dict[str, tuple[int, float, float]]] = {}
+    for r in rows:
+        if "sizes" not in r:
+            continue
+        for which, measured, estimated in (("pod", "measured_throughput", "estimated_throughput"),
+                                           ("pod16", "measured_pod16_throughput",
+                                            "estimated_pod16_throughput")):
+            replicas, items, n, program = r["sizes"][which]
+            work = items * n * replicas
+            group = points.setdefault((r["benchmark"], r["round"], program), {})
+            group.setdefault(r["system"] if which == "pod" else which,
+                             (n, work / r[measured], work / r[estimated]))
+    out = []
+    for (benchmark, version, program), by_system in points.items():
+        ns = [n for n, _, _ in by_system.values()]
+        if len(set(ns)) < 2:
+            continue
+        split = {}
+        for k, what in enumerate(("measured", "estimated"), start=1):
+            ts = [p[k] for p in by_system.values()]
+            mean_n, mean_t = statistics.fmean(ns), statistics.fmean(ts)
+            c = (sum((n - mean_n) * (t - mean_t) for n, t in zip(ns, ts, strict=True))
+                 / sum((n - mean_n) ** 2 for n in ns))
+            split[what] = {"micro_batch_s": c, "per_update_s": mean_t - c * mean_n}
+        out.append({"benchmark": benchmark, "round": version, "program": program,
+                    "systems": list(by_system), "accumulation": ns, **split})
+    return out
 
 
 def pods_main(quick: bool = False) -> list[dict[str, Any]]:
@@ -658,13 +929,24 @@ def pods_main(quick: bool = False) -> list[dict[str, Any]]:
             rows += _bert_pod_rows()
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    splits = per_update_split(rows)
+    if splits:
+        print("  time per weight update split as N x (a micro-batch) + (what an update adds), "
+              "over the runs of one per-replica program at several accumulation counts N:")
+    for sp in splits:
+        m, e = sp["measured"], sp["estimated"]
+        print(f"    {sp['benchmark']} {sp['round']} ({sp['program']}; "
+              + ", ".join(f"{s} N = {n}" for s, n in zip(sp["systems"], sp["accumulation"], strict=True))
+              + f"): measured {m['micro_batch_s'] * 1e3:.2f} ms "
+              f"a micro-batch + {m['per_update_s'] * 1e3:.2f} ms an update; estimated "
+              f"{e['micro_batch_s'] * 1e3:.2f} ms + {e['per_update_s'] * 1e3:.2f} ms")
     logs = [abs(math.log(r["speedup_ratio"])) for r in rows]
     summary = {"typical": math.exp(sum(logs) / len(logs)), "worst": math.exp(max(logs)),
                "within_target": sum(r["within_target"] for r in rows), "points": len(rows)}
     print(f"  speed-up ratio (estimated / measured): typical {summary['typical']:.3f}x, worst "
           f"{summary['worst']:.3f}x; {summary['within_target']} of {summary['points']} within "
           f"{SPEEDUP_TARGET:.0%}")
-    rows.append({"summary": summary})
+    rows.append({"summary": summary, "per_update_split": splits})
     return rows
 
 

@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text, or json: one JSON object a line, with one line per RPC "
                         "(method, session, status, duration, bytes) (default text)")
+    p.add_argument("--mpi-world", action="store_true",
+                   help="this server is a rank of an MPI job of device servers (tf-ipu-run starts "
+                        "it so: rank k serves instance k); replicated programs compiled for "
+                        "several instances run as one program across them (needs mpi4py). "
+                        "'{rank}' in --port-file is replaced by the rank")
     p.add_argument("--version", action="version", version=f"device_server {__version__}")
     return p
 
@@ -269,6 +274,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.parent_pid and not process_alive(args.parent_pid, False):
         print(f"device_server: --parent-pid {args.parent_pid} is not running", file=sys.stderr)
         return 2
+    world = None
+    if args.mpi_world:
+        try:
+            from device_server.emulator.world import World
+
+            world = World.from_mpi()
+        except ImportError as e:
+            print(f"device_server: --mpi-world needs mpi4py ({e})", file=sys.stderr)
+            return 2
+        logger.info("device server rank %d of %d (--mpi-world)", world.rank, world.size)
     config = ServiceConfig(
         system=args.system,
         num_ipus=args.ipus,
@@ -294,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=args.port, host=args.host, config=config, max_workers=args.workers,
             token=read_token(args.token_file), tls_cert_chain=_read_bytes(args.tls_cert),
             tls_private_key=_read_bytes(args.tls_key), unix_socket=args.unix_socket,
+            world=world,
         )
     except (ValueError, RuntimeError, OSError) as e:
         print(f"device_server: {e}", file=sys.stderr)
@@ -311,11 +327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, stop),
                          name="parent-watch", daemon=True).start()
     if args.port_file:
-        write_port_file(args.port_file, handle.port)
+        write_port_file(args.port_file.replace("{rank}", str(world.rank if world else 0)),
+                        handle.port)
     # Wake up now and then so that signals are handled promptly on the main thread.
     while not stop.wait(0.5):
         pass
     drained = handle.stop(grace=args.shutdown_grace)
+    if world is not None:
+        world.close()
     if not drained:
         # A program still runs in a worker thread (it cannot be interrupted); the
         # interpreter would wait for it at exit.

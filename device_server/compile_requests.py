@@ -25,6 +25,7 @@ from device_server.emulator import (
     UnsupportedOpError,
 )
 from device_server.emulator.tiles.pipeline import MAX_PIPELINE_STAGES
+from device_server.emulator.tiles.proportions import check_entry
 from device_server.protocol import device_pb2, dtypes, ir_pb2
 from device_server.sessions import ServiceError
 
@@ -111,9 +112,9 @@ def pipeline_options(options: device_pb2.CompileOptions, module_name: str) -> di
     pipelined), checked: a stage mapped to an IPU the replica does not span, a schedule of
     another name, no micro-batches are refused naming the numbers."""
     stages = int(options.pipeline_stages)
-    if stages <= 1 and not options.stage_ipus:
-        return {}
     where = f"Compile of module {module_name!r}"
+    if stages <= 1 and not options.stage_ipus:
+        return stage_proportion_options(options, 1, where)
     if stages > MAX_PIPELINE_STAGES or len(options.stage_ipus) > MAX_PIPELINE_STAGES:
         raise ServiceError(_INVALID, f"{where}: CompileOptions.pipeline_stages must be at most "
                            f"{MAX_PIPELINE_STAGES} (stage_ipus as many). Received: "
@@ -137,7 +138,27 @@ def pipeline_options(options: device_pb2.CompileOptions, module_name: str) -> di
     return {"pipeline_stages": stages, "stage_ipus": stage_ipus, "ipus_per_replica": per_replica,
             "pipeline_schedule": schedule, "micro_batches": max(1, int(options.micro_batches)),
             "recomputation": bool(options.recomputation),
-            **optimizer_state_options(options, where)}
+            **optimizer_state_options(options, where),
+            **stage_proportion_options(options, stages, where)}
+
+
+def stage_proportion_options(options: device_pb2.CompileOptions, stages: int,
+                             where: str) -> dict[str, Any]:
+    """A pipeline's per-stage availableMemoryProportion (``PipelineStageOptions``) as the
+    emulator's ``stage_memory_proportions`` entries (empty: none given), checked: a phase or
+    kind of another name, a stage the program lacks, a proportion outside [0, 1] are refused
+    naming the entry."""
+    if not options.stage_memory_proportions:
+        return {}
+    entries = []
+    for e in options.stage_memory_proportions:
+        try:
+            entries.append(check_entry((e.phase, int(e.stage), e.kind, float(e.proportion)),
+                                       max(1, stages)))
+        except ValueError as err:
+            raise ServiceError(_INVALID, f"{where}: CompileOptions.stage_memory_proportions: "
+                               f"{err}", kind="invalid-options") from None
+    return {"stage_memory_proportions": tuple(entries)}
 
 
 def optimizer_state_options(options: device_pb2.CompileOptions, where: str) -> dict[str, Any]:
@@ -155,8 +176,11 @@ def replication_key(replication: dict[str, Any]) -> dict[str, Any]:
     the system's links and the IPUs the replicas run on)."""
     if not replication:
         return {}
-    return {"replicas": replication["replicas"], "system": replication["system"].name,
-            "ipu_ids": ",".join(str(i) for i in replication["ipu_ids"])}
+    key = {"replicas": replication["replicas"], "system": replication["system"].name,
+           "ipu_ids": ",".join(str(i) for i in replication["ipu_ids"])}
+    if replication.get("instances", 1) > 1:  # one program across the run's servers
+        key["instances"] = replication["instances"]
+    return key
 
 
 def compile_error(error: Exception, module_name: str) -> Exception:

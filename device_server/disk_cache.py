@@ -27,6 +27,18 @@ copied under another key's name is foreign), and the content has exactly N bytes
 sha256 and decodes. Anything else is logged (a warning naming the file and why; INFO for a
 stale one), the file is deleted, and the program is compiled and written again.
 
+**Planned once.** Several servers sharing the folder (the servers of one ``tf-ipu-run``,
+each serving one instance) compile the same program at about the same time. The service
+asks for a program under ``planning(key)``: an exclusive ``fcntl.flock`` of
+``.plan-<key>.lock`` in the folder. The first server takes it, finds no entry, plans the
+program and writes the entry; the others wait on the lock (polled, so that a stopped
+Compile stops waiting: ``cancel.checkpoint``), then find the entry and load it (counter
+``disk_cache_plan_waits``). A server that dies holding the lock releases it (the kernel
+drops a dead process's flocks), and the next one plans. The holder deletes the lock file
+before releasing it; a waiter that then gets the lock of a deleted file (the path names
+another file, or none) opens the path again, so two holders never share a key. A program
+that fails to plan is not cached, so each waiter plans it in turn (and fails alike).
+
 Writes are atomic (a temporary file in the folder, then ``os.replace``), as are rewrites of
 the index. Index updates (and the size bound's evictions, least recently used first, after
 each write) happen under an ``fcntl.flock`` of ``.lock``, so several server processes may
@@ -58,6 +70,7 @@ from typing import Any
 import numpy as np
 
 import device_server
+from device_server.emulator import cancel
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +85,9 @@ _MAX_HEADER_BYTES = 4096
 _MAX_RECORD_BYTES = 256 << 20  # a record decompressed (a big model's is a few MB)
 _KEY = re.compile(r"[0-9a-f]{64}")
 _STALE_TEMP_SECONDS = 3600.0
+PLAN_LOCK_PREFIX = ".plan-"
+#: Polling of a plan lock held by another server: first sleep, longest sleep (seconds).
+_PLAN_POLL_FIRST, _PLAN_POLL_MAX = 0.005, 0.05
 
 
 class EntryRejected(ValueError):
@@ -191,7 +207,7 @@ class DiskCache:
         self.path = Path(path).expanduser().resolve()
         self.max_bytes = int(max_bytes)
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "rejected": 0, "evictions": 0,
-                      "write_errors": 0}
+                      "write_errors": 0, "plan_waits": 0}
         self._lock = threading.Lock()  # the index, among this process's threads
         self._stats_lock = threading.Lock()
         try:
@@ -311,6 +327,53 @@ class DiskCache:
         self._count("writes")
         return True
 
+    # -- planned once --------------------------------------------------------------------
+
+    def plan_lock_of(self, key: str) -> Path:
+        """The lock file of ``key``'s planning (see ``planning``)."""
+        return self.path / f"{PLAN_LOCK_PREFIX}{self.file_of(key).stem}.lock"
+
+    @contextlib.contextmanager
+    def planning(self, key: str) -> Iterator[bool]:
+        """Holds the plan lock of ``key`` for the block: the servers sharing this folder
+        plan a program one at a time, so that the first plans and writes it and the others,
+        once they hold the lock, load it (module docstring, "Planned once"). Yields whether
+        another process (or thread) held the lock first.
+
+        Raises:
+            RunStopped: this thread's Compile was stopped while it waited.
+            OSError: the lock file cannot be made.
+        """
+        path = self.plan_lock_of(key)
+        waited = False
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                if not _try_flock(fd):
+                    if not waited:
+                        waited = True
+                        self._count("plan_waits")
+                        logger.info("executable cache: another server plans %s; waiting for "
+                                    "its entry", key[:16])
+                    sleep = _PLAN_POLL_FIRST
+                    while not _try_flock(fd):
+                        cancel.checkpoint(f"waiting for another server's plan of {key[:16]}")
+                        time.sleep(sleep)
+                        sleep = min(_PLAN_POLL_MAX, sleep * 2)
+                same = _same_file(fd, path)  # else the holder deleted it: open it again
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                break
+            os.close(fd)
+        try:
+            yield waited
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()  # under the lock: see the module docstring
+            os.close(fd)  # releases the lock
+
     # -- the index -----------------------------------------------------------------------
 
     def _count(self, name: str, amount: int = 1) -> None:
@@ -388,6 +451,25 @@ class DiskCache:
             self._count("evictions")
             logger.info("executable cache: evicted %s (%d bytes, least recently used)",
                         entry["file"], entry["size"])
+
+
+def _try_flock(fd: int) -> bool:
+    """Takes the exclusive flock of ``fd`` if it is free; whether it did."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _valid_entry(v: Any) -> bool:

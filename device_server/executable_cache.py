@@ -12,7 +12,9 @@ Compile failures are not cached.
 This cache lives in the server's memory. Below it, with ``--executable-cache-path``, the
 server keeps what compiling produced in a folder under the same keys, across restarts: the
 ``build`` function the service hands to ``get_or_compile`` looks there before it compiles
-(``disk_cache.py``).
+(``disk_cache.py``), holding the folder's plan lock of the key (``DiskCache.planning``), so
+that the servers sharing the folder (those of one ``tf-ipu-run``) plan a program once in
+all: the first plans and writes it, the others wait for it and load it.
 """
 
 from __future__ import annotations

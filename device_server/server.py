@@ -212,6 +212,7 @@ def serve(
     tls_cert_chain: bytes | None = None,
     tls_private_key: bytes | None = None,
     unix_socket: str = "",
+    world: Any = None,
 ) -> ServerHandle:
     """Starts a device server and returns once it is serving.
 
@@ -228,6 +229,8 @@ def serve(
             of: a client that proves it shares this machine (the shared-memory probe) moves
             its calls there. Its folder should be private (mode 0700); the socket is made
             0600. Not with TLS.
+        world: the run's device servers (``emulator.world.World``, ``--mpi-world``), which
+            the replicated programs of several instances span; None: none.
 
     Returns:
         A ``ServerHandle``.
@@ -246,6 +249,7 @@ def serve(
     if (tls_cert_chain is None) != (tls_private_key is None):
         raise ValueError("TLS needs both a certificate chain and a private key; received one.")
     service = DeviceService(config)
+    service.world = world
     service.max_execute_streams = max(0, max_workers // 2)  # the rest serve the other calls
     options = (grpc_message_options(config.max_message_bytes) + [("grpc.so_reuseport", 0)]
                + receive_window_options() + keepalive_options(config.keepalive_seconds))

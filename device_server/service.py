@@ -32,6 +32,7 @@ other loops at their next iteration, keeping nothing of the call.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
 import logging
@@ -39,7 +40,7 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,7 @@ from device_server.emulator import (
 from device_server.emulator.cancel import running
 from device_server.emulator.kernels.infeed import InfeedEnded
 from device_server.emulator.replicas import run_replicated
+from device_server.emulator.world import program_digest
 from device_server.executable_cache import ExecutableCache, cache_key
 from device_server.protocol import device_pb2, dtypes, hardware, ir_pb2, shm
 from device_server.protocol.chunks import parse_chunk
@@ -322,7 +324,11 @@ _COUNTER_HELP = {
                            "not the module's): deleted, and the program compiled again.",
     "disk_cache_evictions": "Entries deleted from the disk cache to keep it within its bound.",
     "disk_cache_write_errors": "Entries that could not be written to the disk cache.",
+    "disk_cache_plan_waits": "Compiles that waited for another server planning the same "
+                             "program in the shared disk cache (then loaded its entry).",
     "executions": "Programs executed.",
+    "replica_runs": "Replicas run by this server (a program of R replicas counts R: with "
+                    "--mpi-world, this server's replicas of the run only).",
     "variable_buffers_allocated": "Buffers allocated for resident variables (new variables, "
                                   "or a new dtype or shape).",
     "variable_bytes_updated_in_place": "Bytes of resident variables updated in their buffers.",
@@ -379,6 +385,10 @@ class DeviceService:
             logger.info("executable cache on disk: %r", self.disk_cache)
         self.execute_latency = LatencyStats()
         self.transfers = TransferCounters()
+        #: The run's device servers (``--mpi-world``: emulator/world.py), or None.
+        self.world: Any = None
+        #: Cache key -> digest the servers compare, of the programs of several instances.
+        self.world_digests: dict[str, int] = {}
         self._server_refuse = frozenset(config.refuse_opcodes)
         self._call = _CallState()
         self._in_flight = 0
@@ -891,10 +901,16 @@ class DeviceService:
             planning = planning_options(request.options)
             pipeline = pipeline_options(request.options, module.name)
             replication = self._replication(s, request.options.replicas, module.name,
-                                            pipeline.get("ipus_per_replica", 1))
+                                            pipeline.get("ipus_per_replica", 1),
+                                            int(request.options.instances))
+            extras = {**numerics, **replication_key(replication), **pipeline,
+                      **{k: f"{v!r}" for k, v in planning.items()}}
             key = cache_key(module, s.ipu_version, s.tiles_per_ipu, refuse, fault, allow_oom,
-                            {**numerics, **replication_key(replication), **pipeline,
-                             **{k: f"{v!r}" for k, v in planning.items()}})
+                            extras)
+            if replication.get("instances", 1) > 1:  # what the servers compare (world.py)
+                self.world_digests[key] = program_digest(module, repr(sorted(
+                    {**extras, "target": (s.ipu_version, s.tiles_per_ipu), "refuse": sorted(refuse),
+                     "fault": fault, "allow_oom": allow_oom}.items())))
             target = s.target
             options = CompileOptions(
                 refuse_opcodes=refuse, fault_inject_opcode=fault, allow_out_of_memory=allow_oom,
@@ -904,6 +920,12 @@ class DeviceService:
             from_disk: list[bool] = []
 
             def build() -> Any:
+                if self.disk_cache is None:
+                    return build_or_load()
+                with self.disk_cache.planning(key):  # servers sharing it plan it once
+                    return build_or_load()
+
+            def build_or_load() -> Any:
                 if self.disk_cache is not None:
                     check_array_sizes(module, self.config.max_session_bytes)
                     exe = self._load_from_disk(key, module, target, options)
@@ -978,12 +1000,23 @@ class DeviceService:
                         f"({_STOP_WHY.get(token.reason, token.reason)}).", kind=kind) from None
 
     def _replication(self, s: Session, replicas: int, module_name: str,
-                     ipus_per_replica: int = 1) -> dict[str, Any]:
+                     ipus_per_replica: int = 1, instances: int = 1) -> dict[str, Any]:
         """The emulator's replication options for a program of ``replicas`` replicas of
         ``ipus_per_replica`` IPUs each (a pipeline's), on the IPUs the session holds (in the
-        server's system, or its plain IPUs); what the session cannot run is refused, naming
-        the numbers."""
+        server's system, or its plain IPUs), and of ``instances`` servers (the run's world);
+        what the session or the server cannot run is refused, naming the numbers."""
         replicas = max(1, int(replicas))
+        if instances > 1:
+            world = self.world
+            if world is None or world.size != instances:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"Compile of module {module_name!r}: the program is one replicated program "
+                    f"of {instances} instances (CompileOptions.instances), but this device "
+                    + ("server is not part of a world of servers (start them as one MPI job "
+                       "with --mpi-world, as tf-ipu-run does)." if world is None else
+                       f"server's world has {world.size} servers."),
+                    kind="world-mismatch")
         needed = replicas * ipus_per_replica
         held = len(s.ipu_ids)
         if needed > max(held, 1):
@@ -996,11 +1029,12 @@ class DeviceService:
                 f"attach {needed} IPUs (IPUConfig.auto_select_ipus = {needed}).",
                 kind="too-many-replicas",
             )
-        if needed == 1:
+        if needed == 1 and instances <= 1:
             return {}
         system = self.system or hardware.plain_system(self.pool.num_ipus, s.ipu_version)
         # Every IPU of every replica: replica r on ipu_ids[r * P:(r + 1) * P].
-        return {"replicas": replicas, "system": system, "ipu_ids": tuple(s.ipu_ids[:needed])}
+        return {"replicas": replicas, "system": system, "ipu_ids": tuple(s.ipu_ids[:needed]),
+                **({"instances": instances} if instances > 1 else {})}
 
     def _load_from_disk(self, key: str, module: ir_pb2.Module, target: Any,
                         options: CompileOptions) -> Any:
@@ -1276,6 +1310,7 @@ class DeviceService:
             token.outfeed = s.data.enqueue_outfeed
             s.data.outfeeds.clear()  # what a stopped call enqueued is not kept
             replicas = exe.options.replicas
+            world = self.world if exe.options.instances > 1 else None
             per_replica: list[list[np.ndarray]] = []
             if replicas > 1:
                 # Every replica reads the same parameter values and its own variables.
@@ -1287,11 +1322,12 @@ class DeviceService:
                     per_replica.append(args)
             start = time.perf_counter()
             try:
-                with s.run(token):
-                    if replicas > 1:
+                with s.run(token), self._world_run(world, handle, what, token) as meeting:
+                    if replicas > 1 or meeting is not None:
                         try:
-                            per_replica, group = run_replicated(exe, per_replica,
-                                                                [donated] * replicas, stop=token)
+                            per_replica, group = run_replicated(
+                                exe, per_replica or [inputs], [donated] * replicas, stop=token,
+                                world=meeting)
                         except BaseException:
                             # Replicas may have written some variables in place before one
                             # failed: the others start again from replica 0's next time.
@@ -1303,6 +1339,7 @@ class DeviceService:
                         self.counters.add("all_reduce_bytes", group.all_reduce_bytes)
                     else:
                         outputs = exe.run(inputs, donated, stop=token)
+                    self.counters.add("replica_runs", replicas)
             except RunStopped as e:
                 self.counters.add(f"runs_stopped.{e.reason}")
                 code, kind = _STOP_STATUS[e.reason]
@@ -1374,6 +1411,18 @@ class DeviceService:
             s.data.outfeeds.clear()
             return reply
 
+    @contextlib.contextmanager
+    def _world_run(self, world: Any, handle: Any, what: str, token: Any) -> Iterator[Any]:
+        """A world program's execution joined with the other servers' (``WorldRun``), or
+        None for a program of this server only."""
+        if world is None:
+            yield None
+            return
+        digest = self.world_digests[handle.cache_key]
+        with world.run(digest, handle.executable.options.replicas, what,
+                       stopped=lambda: token.reason is not None) as meeting:
+            yield meeting
+
     def push_infeed(self, request: device_pb2.PushInfeedRequest) -> device_pb2.PushInfeedReply:
         """Appends batches to one of the session's infeeds (without entering the session: a
         run of it may be pulling from that infeed right now)."""
@@ -1431,6 +1480,8 @@ class DeviceService:
         values["execute_latency_p50_us"] = round(self.execute_latency.quantile(0.5) * 1e6)
         values["execute_latency_p99_us"] = round(self.execute_latency.quantile(0.99) * 1e6)
         values.update({f"transfer.{k}": v for k, v in self.transfers.snapshot().items()})
+        if self.world is not None:
+            values.update(self.world.counters())
         if self.disk_cache is not None:
             values.update({f"disk_cache_{k}": v for k, v in self.disk_cache.stats.items()
                            if k != "hits"})  # hits: those whose record described the module

@@ -298,6 +298,16 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def launcher_env(**extra: str) -> dict[str, str]:
+    """``child_env`` for a test's own ``tf-ipu-run``: without the variables of a run or an
+    MPI job this process may be part of (``POPDIST_*``, ``OMPI_*``, ``PMIX_*``,
+    ``TF_IPU_RUN_*``, ``TF_IPU_SERVER``), then ``extra``."""
+    env = {k: v for k, v in child_env().items()
+           if not k.startswith(("POPDIST_", "OMPI_", "PMIX_", "TF_IPU_RUN_"))
+           and k != "TF_IPU_SERVER"}
+    return {**env, **extra}
+
+
 class ServerProcess:
     """``python -m device_server`` on a fixed port, as a child process.
 

@@ -1,8 +1,9 @@
 """tf-ipu-run and the instance API (popdist's names), with a real mpirun on loopback.
 
-    test process ── tf-ipu-run (python -m tf_ipu.distributed.launcher) ── mpirun
-                                         ├─ rank 0: device server + program ─┐
-                                         └─ rank 1: device server + program ─┴ MPI
+    test process ── tf-ipu-run (python -m tf_ipu.distributed.launcher)
+                      ├─ mpirun (servers' job): device server 0, device server 1 ── MPI
+                      └─ mpirun (instances' job): rank 0: program ─gRPC─> server 0 ─┐
+                                                  rank 1: program ─gRPC─> server 1 ─┴ MPI
     each program writes what it saw to a JSON file; the tests compare the files.
 
 Two runs with TensorFlow share one launch (a module fixture); the failure run imports no
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import server_util as su
 
 from tf_ipu.distributed import identity, launcher
 
@@ -29,11 +32,8 @@ RUN_TIMEOUT = 240
 
 
 def _launch(args: list[str], cwd: Path, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("POPDIST_", "OMPI_", "PMIX_")) and k != "TF_IPU_SERVER"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return subprocess.run([sys.executable, "-m", "tf_ipu.distributed.launcher", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env=su.launcher_env(), capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
 
@@ -92,7 +92,15 @@ def test_mpirun_command_local_and_hosts():
     assert cmd.index("--tag-output") < cmd.index("-n") < cmd.index("FOO")  # global, local
     assert "mpi_yield_when_idle 1" in joined and "--bind-to none" in joined
     assert cmd[-5:] == ["--", "python", "train.py", "--lr", "1"]
-    assert "--executable-cache-path /tmp/cache" in joined
+    # The servers' job: the same MPI options (local args aside), rank k becoming server k
+    # with instance k's 2 x 2 IPUs and the shared cache folder.
+    servers = launcher.servers_command(plan, "/tmp/run", "mpirun")
+    assert servers[:servers.index("-n") + 2] == cmd[:cmd.index("-n") + 2]
+    assert "FOO" not in servers and "TF_IPU_RUN_WATCH" not in servers
+    assert servers[servers.index("--run-dir") - 1] == "--server"
+    assert servers[servers.index("--ipus") + 1] == "4"
+    assert "--executable-cache-path /tmp/cache" in " ".join(servers)
+    assert "--executable-cache-path" not in cmd
     env = launcher.run_environment(plan)
     assert env[identity.TOTAL_REPLICAS] == "4" and env[identity.LOCAL_REPLICAS] == "2"
     assert env[identity.IPUS_PER_REPLICA] == "2" and "TF_IPU_SERVER" not in env
@@ -102,6 +110,9 @@ def test_mpirun_command_local_and_hosts():
     cmd = launcher.mpirun_command(remote, "/tmp/run", "mpirun")
     assert cmd[cmd.index("--host") + 1] == "node1:2,node2:2"
     assert "--oversubscribe" not in cmd and "lo" not in cmd
+    servers = launcher.servers_command(remote, "/tmp/run", "mpirun")
+    # Server k lands on instance k's host: the same hosts and mapping.
+    assert servers[:servers.index("-n") + 2] == cmd[:cmd.index("-n") + 2]
     with pytest.raises(launcher.LaunchError, match="3 hosts"):
         launcher.plan_from_args(["--num-instances", "4", "--num-replicas", "4",
                                  "--host", "a,b,c", "--", "python", "t.py"])
@@ -365,3 +376,26 @@ def test_instances_at_different_calls_are_told_not_left_waiting(tmp_path):
         assert f"Instance {k} is at a collective call" in out["error"]
         assert "same number of steps" in out["error"]
         assert out["after"] == [3]
+
+
+def test_a_server_that_cannot_start_is_named_with_its_log(tmp_path):
+    # A file where the cache folder should be: every server of the run refuses it and exits
+    # before serving; each instance's rank says which server, and what its log says.
+    (tmp_path / "not_a_folder").write_text("")
+    before = set(_run_processes())
+    start = time.monotonic()
+    result = _launch(["--num-instances", "2", "--num-replicas", "2",
+                      "--executable-cache-path", str(tmp_path / "not_a_folder"), "--",
+                      sys.executable, "-c", "print('not reached')"], tmp_path, timeout=120)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "not reached" not in result.stdout
+    found = re.search(r"tf-ipu-run: instance (\d) \(MPI rank \1\) failed: could not start: its "
+                      r"device server \(server \1 of the run, rank \1 of the servers' MPI job, "
+                      r"serving 1 IPU\) "
+                      r"(\(pid \d+\) ended before serving|did not serve: the servers' MPI "
+                      r"job ended)\. Its log ends with:\n[^\0]*?executable cache path "
+                      r"'[^']*not_a_folder' cannot be used", result.stderr)
+    assert found, result.stderr[-3000:]
+    assert elapsed < 60, elapsed  # at once, not after the 120 s start-up limit
+    assert not set(_run_processes()) - before

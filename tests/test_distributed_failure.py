@@ -1,7 +1,8 @@
 """A failing instance ends the whole tf-ipu-run (issue 27, point 4), with a real mpirun.
 
-    tf-ipu-run ── mpirun ── rank 0: program + device server + watchdog ─┐ MPI steps
-        ▲                   rank 1: program + device server + watchdog ─┘ (allreduce)
+    tf-ipu-run ── mpirun ── device server 0, device server 1 (the servers' job) ── MPI
+        │     └──── mpirun ── rank 0: program + watchdog ─┐ MPI steps
+        ▲                     rank 1: program + watchdog ─┘ (allreduce)
         └────────── beats / losses from each watchdog (TCP, loopback)
 
 Instance 1 fails at step 3 of a loop of host all-reduces, while instance 0 waits in the
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+import server_util as su
 
 from tf_ipu.distributed import watchdog
 from tf_ipu.distributed.launcher import Watch
@@ -39,7 +41,7 @@ FAILURE_BOUND = 30.0  # the issue's: everything is gone within 30 s of the failu
 _NOTE = """
 run_dir = open("/proc/self/cmdline", "rb").read().split(b"\\0")
 run_dir = run_dir[run_dir.index(b"--run-dir") + 1].decode()
-server = int(open(os.path.join(run_dir, f"instance-{k}", "server.pid")).read())
+server = int(open(os.path.join(run_dir, f"server-{k}", "pid")).read())  # servers' job, rank k
 
 
 def note(name, **more):
@@ -94,10 +96,14 @@ def _run_dir_processes(run_dir: str) -> list[str]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, run_dir: str) -> bool:
+    """Whether ``pid`` still runs as a process of the run (its command line names the run
+    folder): on a busy machine (pid_max 32768) a pid may be another process's by then."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            running = f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return running and run_dir in f.read().decode("utf-8", "replace")
     except OSError:
         return False
 
@@ -106,12 +112,8 @@ def _launch(tmp_path: Path, mode: str, *extra: str,
             program: str = PROGRAM) -> tuple[subprocess.CompletedProcess, float]:
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(program))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("POPDIST_", "OMPI_", "PMIX_", "TF_IPU_RUN_"))
-           and k != "TF_IPU_SERVER"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env[watchdog.BEAT_TIMEOUT_ENV] = str(BEAT_TIMEOUT)
-    env[watchdog.EXIT_TIMEOUT_ENV] = str(EXIT_TIMEOUT)
+    env = su.launcher_env(**{watchdog.BEAT_TIMEOUT_ENV: str(BEAT_TIMEOUT),
+                             watchdog.EXIT_TIMEOUT_ENV: str(EXIT_TIMEOUT)})
     result = subprocess.run(
         [sys.executable, "-m", "tf_ipu.distributed.launcher", "--num-instances", "2",
          "--num-replicas", "2", "--", sys.executable, str(script), str(tmp_path), mode, *extra],
@@ -131,7 +133,7 @@ def _assert_nothing_left(tmp_path: Path) -> None:
     run_dir = started[0]["run_dir"]
     assert not _run_dir_processes(run_dir), _run_dir_processes(run_dir)
     pids = [p for note in started.values() for p in (note["pid"], note["server"])]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if _alive(p, run_dir)]
     shm = os.listdir("/dev/shm")
     assert not [n for n in shm if any(n.startswith(f"tf_ipu-{p}-") for p in pids)], shm
     assert not os.path.exists(run_dir)

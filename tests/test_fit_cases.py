@@ -108,3 +108,21 @@ def test_table_has_one_line_per_case() -> None:
     assert len(lines) == 2 + len(rows)
     assert "600,000" in lines[2] and "94%" in lines[2] and "right" in lines[2]
     assert "not built" in lines[3]
+
+
+def test_an_excess_the_unexpressible_options_account_for_in_bytes_is_not_wrong() -> None:
+    """Issue 24's rule for MLPerf v2.0: over the tile, but the options the project cannot
+    express save at least the excess on the fullest tile, in bytes: "accounted for"."""
+    def over(saved: dict[str, int], over_bytes: int) -> dict[str, Any]:
+        return dict(_row("v2", "fits", False), accounting={
+            "options": saved, "saved_bytes": sum(saved.values()), "over_bytes": over_bytes})
+
+    shown = over({"FP8 activation checkpoints": 38_484, "optimizer state sharded": 57_458}, 47_390)
+    short = over({"FP8 activation checkpoints": 10_000}, 47_390)
+    unsized = dict(_row("v3", "fits", False), accounting={"options": {}, "saved_bytes": 0,
+                                                          "over_bytes": 1})
+    assert fc.accounted_for(shown) and not fc.accounted_for(short)
+    assert not fc.accounted_for(unsized) and not fc.accounted_for(_row("f", "fits", False))
+    s = fc.score([shown, short])
+    assert s["accounted_for"] == ["v2"] and s["fits"]["right"] == 0
+    assert fc._mark(shown) == "acct." and fc._mark(short) == "WRONG"

@@ -149,13 +149,7 @@ def test_replicas_beyond_the_pods_ipus_are_refused_naming_the_numbers(model, nam
 def test_a_pipeline_replicated_across_pod64s_reduces_each_stage_over_gw_links():
     """2-IPU replicas: 64 of them fill a Bow Pod128 (32 in each Pod64); each stage IPU's
     all-reduce runs over its 32 holders in each pod, then across the two pods."""
-    with tf_ipu.IPUStrategy().scope():
-        m = keras.Sequential([keras.Input((64,))]
-                             + [keras.layers.Dense(64, activation="relu") for _ in range(3)]
-                             + [keras.layers.Dense(8)])
-        m.compile(optimizer="sgd", loss="mse")
-        m.set_pipeline_stage_assignment([0, 0, 1, 1])
-        m.set_pipelining_options(gradient_accumulation_steps_per_replica=4, device_mapping=[0, 1])
+    m = _two_stage_model(4)
     one = tf_ipu.estimate(m, 4, training=True, ipu_version="bow", replicas=32,
                           system="bow-pod64", tiles_per_ipu=16)
     two = tf_ipu.estimate(m, 4, training=True, ipu_version="bow", replicas=64,
@@ -168,3 +162,124 @@ def test_a_pipeline_replicated_across_pod64s_reduces_each_stage_over_gw_links():
                                          "'bow-pod128' has 128"):
         tf_ipu.estimate(m, 4, training=True, ipu_version="bow", replicas=65,
                         system="bow-pod128", tiles_per_ipu=16)
+
+
+def _two_stage_model(accumulation):
+    with tf_ipu.IPUStrategy().scope():
+        m = keras.Sequential([keras.Input((64,))]
+                             + [keras.layers.Dense(64, activation="relu") for _ in range(3)]
+                             + [keras.layers.Dense(8)])
+        m.compile(optimizer="sgd", loss="mse")
+        m.set_pipeline_stage_assignment([0, 0, 1, 1])
+        m.set_pipelining_options(gradient_accumulation_steps_per_replica=accumulation,
+                                 device_mapping=[0, 1])
+    return m
+
+
+def test_planning_once_re_costs_replicas_systems_and_accumulation_as_a_fresh_estimate():
+    """bench_mlperf's ``_plan_once``: one lowering and one plan for a pipelined program
+    whatever its replicas, system and micro-batches per update; every figure the speed-up
+    reads is the fresh estimate's (the memory may differ by the all-reduce's receive chunk)."""
+    from bench.bench_mlperf import _plan_once, _with_accumulation
+    from tf_ipu.estimate import _lowerings
+
+    runs = [("bow-pod16", 8, 4), ("bow-pod64", 32, 12), ("bow-pod128", 64, 6)]
+
+    def est(m, system, replicas, accumulation):
+        return tf_ipu.estimate(_with_accumulation(m, accumulation), 4, training=True,
+                               ipu_version="bow", replicas=replicas, system=system,
+                               tiles_per_ipu=16, steps=1)
+
+    fresh = [est(_two_stage_model(a), s, r, a) for s, r, a in runs]
+    shared = _two_stage_model(runs[0][2])
+    with _lowerings(), _plan_once() as counts:
+        once = [est(shared, s, r, a) for s, r, a in runs]
+    assert counts == {"plans": 1, "reused": 2}
+    for f, o, (system, replicas, accumulation) in zip(fresh, once, runs, strict=True):
+        assert o.gradient_accumulation_steps_per_replica == accumulation
+        assert (o.step.system, o.step.replicas) == (system, replicas)
+        assert o.throughput == pytest.approx(f.throughput, rel=1e-12)
+        assert o.cycles_per_update == f.cycles_per_update
+        assert o.all_reduce_share == pytest.approx(f.all_reduce_share, rel=1e-12)
+        assert o.all_reduce_links == f.all_reduce_links
+        assert o.step.ring == f.step.ring
+        chunk = max(1, f.step.all_reduce_bytes)   # at most a replica's gradients, spread on tiles
+        assert abs(o.step.peak_tile_bytes - f.step.peak_tile_bytes) <= chunk
+    assert once[2].all_reduce_links == ["IPU-Links", "GW-Links"]
+
+
+def test_the_bert_pod_configurations_are_the_submissions_and_match_the_logs():
+    """Every BERT pod run is its own configuration file's (8-IPU pipelines: not the round's
+    Pod16 one), and its IPUs, global batch and accumulation are those its logs state."""
+    from bench.bench_mlperf import _BERT_PODS, SEQUENCES_PER_ROW, _bert_layout, _measured_pod
+
+    assert [(r.version, r.system) for r in _BERT_PODS] == [
+        ("v1.0", "pod64"), ("v1.1", "pod64"), ("v1.1", "pod128"), ("v2.0", "bow-pod64"),
+        ("v2.0", "bow-pod128"), ("v2.0", "bow-pod256")]
+    for run in _BERT_PODS:
+        layout = _bert_layout(run.placement)
+        assert sorted(set(layout.ipus)) == list(range(8)) and layout.ipus[0] == layout.ipus[-1] == 0
+        assert hardware.get_system(run.system).ipu_version == run.chip
+        pod = _measured_pod("bert", run.version, run.names)
+        assert pod["n_devices"] == 8 * run.replicas
+        assert pod["global_batch_size"] == run.replicas * run.micro * run.accumulation * SEQUENCES_PER_ROW
+        assert pod["accumulation"] == run.accumulation
+    # v1.0's Pod64: the embedding alone on IPU 0 (encoder_start_ipu 1), layers on IPUs 1-7
+    v10 = _bert_layout(_BERT_PODS[0].placement)
+    assert v10.att[0] == 1 and v10.att[-1] == 7 and len(v10.ipus) == 9
+    with pytest.raises(ValueError, match="encoder_start_ipu 2 is not modelled"):
+        _bert_layout("8-IPU layers_per_ipu [4, 4, 4, 4, 4, 4], encoder_start_ipu 2")
+
+
+def test_the_per_update_split_reads_two_accumulation_counts():
+    from bench.bench_mlperf import per_update_split
+
+    # T = N c + u: measured c = 5 ms, u = 9 ms; estimated c = 7 ms, u = 4 ms
+    def tput(c, u, n, replicas, items):
+        return items * n * replicas / (n * c + u)
+
+    row = {"benchmark": "ResNet-50", "round": "v1.1", "system": "pod128",
+           "sizes": {"pod": [128, 20, 2, "micro-batch 20"], "pod16": [16, 20, 10, "micro-batch 20"]},
+           "measured_throughput": tput(5e-3, 9e-3, 2, 128, 20),
+           "estimated_throughput": tput(7e-3, 4e-3, 2, 128, 20),
+           "measured_pod16_throughput": tput(5e-3, 9e-3, 10, 16, 20),
+           "estimated_pod16_throughput": tput(7e-3, 4e-3, 10, 16, 20)}
+    [split] = per_update_split([row, {"summary": {}}])
+    assert split["accumulation"] == [2, 10] and split["systems"] == ["pod128", "pod16"]
+    assert split["measured"]["micro_batch_s"] == pytest.approx(5e-3)
+    assert split["measured"]["per_update_s"] == pytest.approx(9e-3)
+    assert split["estimated"]["micro_batch_s"] == pytest.approx(7e-3)
+    assert split["estimated"]["per_update_s"] == pytest.approx(4e-3)
+
+
+@pytest.mark.parametrize("name, hosts", [("pod16", 1), ("bow-pod64", 1), ("pod128", 2), ("bow-pod256", 4)])
+def test_the_host_servers_feed_is_stated_from_their_nics(name, hosts):
+    """One host server per Pod64 (the MLPerf runs' n_hosts), each with a dual-port 100 GbE
+    RNIC: what a measured rate needs of it is stated; the estimate does not charge it."""
+    s = hardware.get_system(name)
+    assert s.hosts == hosts and s.host_server_bytes_per_s == 2 * 100e9 / 8
+    # 146,253 8-bit 224x224x3 images a second (ResNet-50 v2.0, Bow Pod64, measured)
+    line = s.host_feed(146_253 * 150_528 * hosts)
+    assert line == (f"22.0 GB/s from each of {hosts} host server{'s' if hosts > 1 else ''}: "
+                    "88% of its NICs' 25 GB/s")
+    assert any("RNIC" in x for x in s.sources) or name == "pod16"
+    assert hardware.get_system("bow2000").host_feed(1e9) == ""
+
+
+def test_the_all_reduce_share_of_a_pipelined_training_estimate_is_its_steps():
+    """A pipeline's step spreads one update's all-reduce over its micro-batches already; the
+    bench reads that share (TrainingEstimate.all_reduce_share divides by the accumulation
+    again for a pipeline)."""
+    from bench.bench_mlperf import _all_reduce_shares
+
+    m = _two_stage_model(8)
+    t = tf_ipu.estimate(m, 4, training=True, ipu_version="bow", replicas=64, system="bow-pod128",
+                        tiles_per_ipu=16, steps=1)
+    share, gw = _all_reduce_shares(t)
+    assert share == pytest.approx(t.step.all_reduce_cycles / t.step.cycles) and 0 < gw < share < 1
+    # the GW-Link stage's bandwidth term: 2 pods, 32 replicas in each
+    ring = t.step.ring["gw"]
+    assert len(ring["pods"]) == 2
+    assert gw == pytest.approx(t.step.all_reduce_bytes / ring["bytes_per_s"] * t.step.clock_hz
+                               / t.step.cycles, rel=1e-9)
+    assert _all_reduce_shares(t.step) == (share, gw)

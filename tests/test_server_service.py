@@ -403,7 +403,7 @@ def test_execute_stream_answers_in_order_and_an_error_ends_only_that_stream(devi
 
 
 def test_execute_streams_are_bounded_idle_ones_close_and_refused_calls_go_unary(monkeypatch):
-    monkeypatch.setattr("tf_ipu.client.STREAM_IDLE_SECONDS", 1.5)
+    monkeypatch.setattr("tf_ipu.client_execute.STREAM_IDLE_SECONDS", 1.5)
     handle = serve(config=ServiceConfig(num_ipus=3), max_workers=4)  # 2 streams at most
     try:
         clients = [attached(handle.address) for _ in range(3)]

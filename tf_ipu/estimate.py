@@ -333,7 +333,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
              gradient_accumulation_steps_per_replica: int = 1, dataset_size: int | None = None,
              epochs: float | None = None, steps: int | None = None,
              recomputation: bool | None = None,
-             available_memory_proportion: float | str | Mapping[str, float] | None = None,
+             available_memory_proportion: float | str | Mapping[str, float]
+             | Sequence[float | str | Mapping[str, float] | None] | None = None,
              partials_type: str | Mapping[str, str] | None = None,
              ) -> Estimate | TrainingEstimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
@@ -374,7 +375,15 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             or its string) for the plans of every matmul and convolution: the share of a
             tile's memory their temporaries may use (lower: fewer temporaries, more cycles).
             None: ``IPUConfig.matmuls`` / ``convolutions.poplar_options`` of the configured
-            system, else the preset's 0.6.
+            system, else the preset's 0.6. A ``{"matmul": ..., "convolution": ...}`` dict sets
+            each kind. A pipelined model's ``PipelineStageOptions``
+            (``set_pipelining_options``' ``forward_propagation_stages_poplar_options``,
+            ``backward_propagation_stages_poplar_options``, ``weight_update_poplar_options``)
+            replace it in the pass of the stage that sets one, as on Graphcore's IPUs. For a
+            pipelined model, a list with one entry per stage (a proportion, a per-kind dict,
+            or None: the program's) gives each stage's forward and backward passes theirs
+            instead of its ``PipelineStageOptions`` (as Graphcore's TF2 BERT passes one list
+            for both); the global proportion is then the configured system's.
         partials_type: PopLibs' ``partialsType``, ``"float"`` or ``"half"``, for every matmul
             and convolution, or ``{"matmul": ..., "convolution": ...}``: FP16 products planned
             with "half" hold and exchange FP16 partial sums (half their bytes). None:
@@ -418,7 +427,9 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     system = _system(system)
     many = {"replicas": replicas, "system": system, "ipu_ids": tuple(ipu_ids)}
     _replication(replicas, system, tuple(ipu_ids), target)  # checked before lowering
-    many["memory_proportions"] = _memory_proportions(available_memory_proportion)
+    per_stage = isinstance(available_memory_proportion, (list, tuple))
+    many["memory_proportions"] = _memory_proportions(
+        None if per_stage else available_memory_proportion)
     many["partials_types"] = _partials_types(partials_type)
     if recomputation:  # a program without a pipeline: allow_recompute's cheap remaking
         many["recomputation"] = True
@@ -480,6 +491,10 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
                         recomputation=pipeline["recomputation"],
                         optimizer_state_offload=pipeline.get("offload"),
                         optimizer_state_sharding=bool(pipeline.get("sharding", False)))
+    entries = (_stage_proportions(available_memory_proportion, pipeline, name) if per_stage
+               else (pipeline or {}).get("stage_memory_proportions") or ())
+    if entries:  # PipelineStageOptions (or the list given here), per stage and pass
+        many["stage_memory_proportions"] = tuple(tuple(e) for e in entries)
     lower_s = time.perf_counter() - t0
     params = json.loads(lowered.signature)["params"]
     kinds = {n: _KIND_OF[p["kind"]] for n, p in enumerate(params)}
@@ -542,9 +557,12 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
         optimizer=type(optimizer).__name__ if optimizer is not None else "", notes=notes)
 
 
-def _memory_proportions(given: float | str | Mapping[str, float] | None) -> dict[str, float]:
+def _memory_proportions(given: float | str | Mapping[str, float] | None,
+                        what: str = "tf_ipu.estimate: available_memory_proportion"
+                        ) -> dict[str, float]:
     """Opcode -> availableMemoryProportion of the plans: ``given`` for dot and convolution,
-    else the configured ``IPUConfig``'s poplar_options (else none: the preset's)."""
+    else the configured ``IPUConfig``'s poplar_options (else none: the preset's). ``what``
+    names the argument in a ValueError."""
     from tf_ipu import config, runtime
 
     if isinstance(given, Mapping):  # per kind of product, as Poplar's options are set
@@ -552,12 +570,11 @@ def _memory_proportions(given: float | str | Mapping[str, float] | None) -> dict
                "convolutions": "convolution"}
         unknown = sorted(set(given) - set(ops))
         if unknown:
-            raise ValueError(f"tf_ipu.estimate: available_memory_proportion keys are 'matmul' and "
-                             f"'convolution'. Received: {dict(given)!r}")
-        return {ops[k]: config._memory_proportion(
-            f"tf_ipu.estimate: available_memory_proportion[{k!r}]", v) for k, v in given.items()}
+            raise ValueError(f"{what} keys are 'matmul' and 'convolution'. Received: "
+                             f"{dict(given)!r}")
+        return {ops[k]: config._memory_proportion(f"{what}[{k!r}]", v) for k, v in given.items()}
     if given is not None:
-        amp = config._memory_proportion("tf_ipu.estimate: available_memory_proportion", given)
+        amp = config._memory_proportion(what, given)
         return {"dot": amp, "convolution": amp}
     cfg = runtime.get_runtime().config
     out = {}
@@ -565,6 +582,32 @@ def _memory_proportions(given: float | str | Mapping[str, float] | None) -> dict
         amp = getattr(getattr(cfg, group, None), "available_memory_proportion", None)
         if amp is not None:
             out[opcode] = float(amp)
+    return out
+
+
+def _stage_proportions(given: Sequence[Any], pipeline: dict[str, Any] | None,
+                       name: str) -> list[tuple[str, int, str, float]]:
+    """``available_memory_proportion`` given as a list, one entry per pipeline stage: the
+    forward and backward availableMemoryProportion entries of each stage (a proportion for
+    both kinds of product, a per-kind dict, or None: none for that stage). ValueError
+    naming the stage for a bad entry, or when the model is not pipelined or has another
+    number of stages."""
+    what = "tf_ipu.estimate: available_memory_proportion"
+    if pipeline is None:
+        raise ValueError(f"{what} is a list (one proportion per pipeline stage), but {name} is "
+                         f"not pipelined: give one proportion. Received: {list(given)!r}")
+    if len(given) != pipeline["stages"]:
+        raise ValueError(f"{what} gives {len(given)} proportions for the {pipeline['stages']} "
+                         f"pipeline stages of {name}: give one per stage. Received: "
+                         f"{list(given)!r}")
+    out = []
+    for stage, value in enumerate(given):
+        if value is None:
+            continue
+        kinds = _memory_proportions(value, f"{what}[{stage}] (pipeline stage {stage})")
+        for opcode, amp in sorted(kinds.items()):
+            kind = "matmul" if opcode == "dot" else "convolution"
+            out += [("forward", stage, kind, amp), ("backward", stage, kind, amp)]
     return out
 
 

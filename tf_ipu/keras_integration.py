@@ -855,7 +855,9 @@ class IPUStepFunction:
                 if replicas > 1:
                     from tf_ipu.strategy import replica_id
 
-                    rid[:] = [replica_id()]
+                    # Its index among this instance's replicas (the id is global in a
+                    # program of several instances: instance x replicas + local index).
+                    rid[:] = [tf.math.floormod(replica_id(), replicas)]
                 if n == 1:
                     # One step a call: no loop (n_steps is always 1). Variable updates are
                     # then at the program's top level, where the device writes them into

@@ -17,6 +17,11 @@
               other with gradient accumulation compute); the tile model sizes each stage on
               its IPU with the schedule (docs/tile_model.md)
 
+Per-stage Poplar options (``PipelineStageOptions``, forward and backward passes apart, and
+the weight update): their ``availableMemoryProportion`` reaches the tile model as
+``stage_memory_proportions`` entries of the plan (``[phase, stage, kind, proportion]``), then
+``CompileOptions.stage_memory_proportions`` (``device_server/emulator/tiles/proportions.py``).
+
 A replica spans ``ipus_per_replica`` IPUs: the highest IPU of ``device_mapping`` (stage i on
 IPU i by default) plus one, rounded up to a power of two as Graphcore rounds; replicas =
 attached IPUs // ipus_per_replica. Pipelined training accumulates gradients over
@@ -154,6 +159,139 @@ def recomputation_checkpoint(tensors: Any, name: str | None = None) -> Any:
 
 # -- options -------------------------------------------------------------------------------
 
+
+class PipelineStageOptions:
+    """Graphcore's ``ipu.pipelining_ops.PipelineStageOptions``: PopLibs options for the
+    convolutions, matmuls and slices of one pass of one pipeline stage. Give
+    ``set_pipelining_options`` one per stage as ``forward_propagation_stages_poplar_options``
+    and ``backward_propagation_stages_poplar_options``, and one as
+    ``weight_update_poplar_options``. They are set over ``IPUConfig.matmuls`` /
+    ``convolutions.poplar_options`` option by option, as Graphcore's TensorFlow does for each
+    instruction of that pass (a recomputed forward takes the forward's).
+
+    ``availableMemoryProportion`` sizes that pass's matmul and convolution plans in the tile
+    model (docs/tile_model.md, "availableMemoryProportion"); the other options are checked
+    (PopLibs' names) and do not change the estimate. Nothing changes what the program computes.
+
+    Example (Graphcore's TF2 BERT, a proportion per IPU taken by each stage's IPU):
+        >>> options = [PipelineStageOptions(matmul_options={                  # doctest: +SKIP
+        ...     "availableMemoryProportion": str(amp[ipu])}) for ipu in device_mapping]
+        >>> model.set_pipelining_options(gradient_accumulation_steps_per_replica=16,
+        ...     device_mapping=device_mapping, forward_propagation_stages_poplar_options=options,
+        ...     backward_propagation_stages_poplar_options=options)
+    """
+
+    def __init__(self, convolution_options: dict[str, Any] | None = None,
+                 matmul_options: dict[str, Any] | None = None,
+                 slice_options: dict[str, Any] | None = None) -> None:
+        given = {"convolution_options": convolution_options, "matmul_options": matmul_options,
+                 "slice_options": slice_options}
+        for name, value in given.items():
+            value = value or {}
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise TypeError(f"PipelineStageOptions.{name} must be a dict of PopLibs option "
+                                f"names (str) to values. Received: {name}={given[name]!r}")
+            given[name] = dict(value)
+        self.convolution_options: dict[str, Any] = given["convolution_options"]
+        self.matmul_options: dict[str, Any] = given["matmul_options"]
+        self.slice_options: dict[str, Any] = given["slice_options"]
+
+    def __repr__(self) -> str:
+        return (f"PipelineStageOptions(convolution_options={self.convolution_options!r}, "
+                f"matmul_options={self.matmul_options!r}, slice_options={self.slice_options!r})")
+
+    def memory_proportions(self, where: str) -> dict[str, float]:
+        """"matmul" / "convolution" -> the availableMemoryProportion these options set, their
+        option names and values checked (``where`` names them in a ValueError)."""
+        from tf_ipu import config
+
+        out = {}
+        for kind, options, known, poplibs in (
+                ("matmul", self.matmul_options, config._MATMUL_POPLAR, "matMul"),
+                ("convolution", self.convolution_options, config._CONV_POPLAR, "convolution")):
+            checked = config._check_poplar_options(f"{where}.{kind}_options", options, known,
+                                                   poplibs)
+            if "availableMemoryProportion" in checked:
+                out[kind] = config._memory_proportion(
+                    f"{where}.{kind}_options['availableMemoryProportion']",
+                    checked["availableMemoryProportion"])
+        config._check_poplar_options(f"{where}.slice_options", self.slice_options)
+        return out
+
+    def unmodelled(self) -> list[str]:
+        """The options given that the tile model does not read."""
+        return ([f"matmul_options['{k}']" for k in self.matmul_options
+                 if k != "availableMemoryProportion"]
+                + [f"convolution_options['{k}']" for k in self.convolution_options
+                   if k != "availableMemoryProportion"]
+                + [f"slice_options['{k}']" for k in self.slice_options])
+
+
+#: set_pipelining_options' per-pass Poplar options: the pass each one's proportions size.
+_STAGE_OPTIONS = {"forward_propagation_stages_poplar_options": "forward",
+                  "backward_propagation_stages_poplar_options": "backward",
+                  "weight_update_poplar_options": "update"}
+
+
+def _check_stage_options(what: str, name: str, value: Any) -> list[Any] | None:
+    """``value`` of the pipelining option ``name``: a list of PipelineStageOptions (the
+    stages' options) or, for ``weight_update_poplar_options``, one; their options checked.
+    TypeError for another type, ValueError naming the stage and the option for a bad value."""
+    if value is None:
+        return None
+    if name == "weight_update_poplar_options":
+        if not isinstance(value, PipelineStageOptions):
+            raise TypeError(f"{what}: weight_update_poplar_options must be a "
+                            f"PipelineStageOptions. Received: {value!r}")
+        value.memory_proportions(f"{what}: weight_update_poplar_options")
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what}: {name} must be a list of PipelineStageOptions, one per "
+                        f"pipeline stage. Received: {value!r}")
+    for k, item in enumerate(value):
+        if not isinstance(item, PipelineStageOptions):
+            raise TypeError(f"{what}: {name}[{k}] (pipeline stage {k}) must be a "
+                            f"PipelineStageOptions. Received: {item!r}")
+        item.memory_proportions(f"{what}: {name}[{k}] (pipeline stage {k})")
+    return list(value)
+
+
+def stage_memory_proportions(kwargs: dict[str, Any], stages: int, what: str,
+                             training: bool = True) -> list[list[Any]]:
+    """The availableMemoryProportion entries ``[phase, stage, kind, proportion]`` that the
+    per-pass Poplar options in ``kwargs`` (``set_pipelining_options``' names) set for a
+    pipeline of ``stages`` stages (``CompileOptions.stage_memory_proportions``). ValueError
+    when a list does not give one PipelineStageOptions per stage (Graphcore's rule), naming
+    it; ``training`` False: the backward and weight-update options are not read (Graphcore
+    reads them only with an optimizer)."""
+    entries: list[list[Any]] = []
+    unmodelled: list[str] = []
+    for name, phase in _STAGE_OPTIONS.items():
+        if not training and phase != "forward":
+            continue
+        given = _check_stage_options(what, name, kwargs.get(name))
+        if given is None:
+            continue
+        if phase != "update" and len(given) != stages:
+            raise ValueError(f"{what}: {name} has {len(given)} PipelineStageOptions for "
+                             f"{stages} pipeline stages: give one per stage (the same number "
+                             f"as the computational stages, Graphcore's rule).")
+        for k, item in enumerate(given):
+            where = (f"{what}: {name}" if phase == "update"
+                     else f"{what}: {name}[{k}] (pipeline stage {k})")
+            for kind, value in item.memory_proportions(where).items():
+                entries.append([phase, k, kind, value])
+            unmodelled += [f"{name}[{k}].{o}" if phase != "update" else f"{name}.{o}"
+                           for o in item.unmodelled()]
+    if unmodelled:
+        notices.once(f"{what}(stage options {sorted(set(unmodelled))})",
+                     f"{', '.join(sorted(set(unmodelled))[:4])}"
+                     f"{' ...' if len(set(unmodelled)) > 4 else ''}: accepted; the tile model "
+                     f"plans a stage's products with its availableMemoryProportion only (the "
+                     f"program's options apply otherwise), and results do not change.")
+    return entries
+
+
 _KNOWN_KWARGS = {"pipeline_schedule", "recomputation_mode", "offload_weight_update_variables",
                  "replicated_optimizer_state_sharding", "forward_propagation_stages_poplar_options",
                  "backward_propagation_stages_poplar_options",
@@ -187,11 +325,20 @@ def set_pipelining_options(self: Any, gradient_accumulation_steps_per_replica: i
         **pipelining_kwargs: ``pipeline_schedule`` (``PipelineSchedule``, default Grouped),
             ``recomputation_mode`` (``RecomputationMode``; recomputation needs
             ``IPUConfig.allow_recompute``), ``offload_weight_update_variables``,
-            ``replicated_optimizer_state_sharding`` and Graphcore's other pipeline op
-            options, which size the program (the tile model) and do not change results.
+            ``replicated_optimizer_state_sharding``,
+            ``forward_propagation_stages_poplar_options`` and
+            ``backward_propagation_stages_poplar_options`` (one ``PipelineStageOptions`` per
+            stage: its ``availableMemoryProportion`` plans that pass's matmuls and
+            convolutions), ``weight_update_poplar_options`` (one) and Graphcore's other
+            pipeline op options, which size the program (the tile model) and do not change
+            results.
 
     Raises:
-        ValueError: an invalid option; or stages that cannot be read from a subclassed
+        TypeError: stage Poplar options that are not PipelineStageOptions (a list of them).
+        ValueError: an invalid option (a stage's availableMemoryProportion outside [0, 1]
+            names the option, the stage and the value; a list of stage options not one per
+            stage is refused when the stages are counted, at the first fit/evaluate/predict or
+            estimate); or stages that cannot be read from a subclassed
             model's ``call()`` that has already run (a PipelineStage scope inside the call of
             a layer that is not a model). A model whose ``call()`` has not run yet is
             checked at the first ``fit``/``evaluate``/``predict`` (once Keras's build has
@@ -246,6 +393,9 @@ def set_pipelining_options(self: Any, gradient_accumulation_steps_per_replica: i
     for name, value in pipelining_kwargs.items():
         if name not in _KNOWN_KWARGS:
             raise ValueError(f"set_pipelining_options: unknown pipelining option {name!r}.")
+        if name in _STAGE_OPTIONS:  # PipelineStageOptions: checked now, counted in plan()
+            _check_stage_options("set_pipelining_options", name, value)
+            continue
         if name in _MODELLED:
             if value is not None and not isinstance(value, bool) or (
                     value is None and name == "replicated_optimizer_state_sharding"):
@@ -346,6 +496,9 @@ def plan(model: Any, steps_per_execution: int) -> dict[str, Any] | None:
         # Where the optimizer state lives (the tile model): None is Graphcore's automatic choice.
         "offload": options.get("kwargs", {}).get("offload_weight_update_variables"),
         "sharding": bool(options.get("kwargs", {}).get("replicated_optimizer_state_sharding", False)),
+        # PipelineStageOptions' availableMemoryProportion per stage and pass (the tile model).
+        "stage_memory_proportions": stage_memory_proportions(
+            options.get("kwargs", {}), count, f"{name}.set_pipelining_options"),
     }
 
 
@@ -652,10 +805,12 @@ def install() -> None:
 __all__ = ["CHECKPOINT_SCOPE", "FunctionalLayerPipelineStageAssignment",
            "FunctionalNestedModelPipelineStageAssignment", "ModelLayerPipelineStageAssignment",
            "NestedModelPipelineStageAssignment", "Path", "PipelineSchedule", "PipelineStage",
+           "PipelineStageOptions",
            "RecomputationMode", "STAGE_SCOPE", "SequentialLayerPipelineStageAssignment",
            "SequentialNestedModelPipelineStageAssignment", "check_training", "checkpoints_apply",
            "current_stage", "recomputation_checkpoint", "resolved_recomputation_mode",
            "get_pipeline_stage_assignment", "install", "pipelining_options", "plan",
            "print_pipeline_stage_assignment_summary", "reset_pipeline_stage_assignment",
-           "set_pipeline_stage_assignment", "set_pipelining_options", "stages_of", "tagging",
+           "set_pipeline_stage_assignment", "set_pipelining_options", "stage_memory_proportions",
+           "stages_of", "tagging",
            "variable_scope"]

@@ -256,10 +256,10 @@ def install_replica_seeds() -> None:
         return
 
     def next_seed(self: Any, ordered: bool = True) -> Any:
-        from tf_ipu.strategy import _lowering_replicas, replica_id
+        from tf_ipu.strategy import _lowering_replicas, _lowering_world, replica_id
 
         value = original(self, ordered)
-        if _lowering_replicas() <= 1:
+        if _lowering_replicas() <= 1 and not _lowering_world():
             return value
         offset = tf.cast(replica_id(), value.dtype) * tf.constant(REPLICA_SEED_STRIDE, value.dtype)
         return value + tf.stack([offset, tf.zeros([], value.dtype)])

@@ -246,6 +246,17 @@ class DeviceRuntime:
             return 1
         return _ipus_of(cfg)
 
+    def world_instances(self) -> int:
+        """The instances whose replicas run this process's programs as one program: those of
+        the ``tf-ipu-run`` when the configuration in force was made for it
+        (``popdist.tensorflow.set_ipu_config``), else 1 (this instance's replicas only)."""
+        from tf_ipu.distributed import identity, popdist_api
+
+        cfg = self._config
+        if cfg is None or not identity.is_multi_instance() or not popdist_api.is_distributed(cfg):
+            return 1
+        return identity.getNumInstances()
+
     @property
     def client(self) -> DeviceClient:
         if self._client is None:
@@ -617,6 +628,7 @@ class DeviceRuntime:
                 **(cfg.compile_numerics() if cfg else {}),
                 replicas=entry.replicas,
                 pipeline=entry.pipeline,
+                instances=self.world_instances(),
             )
         entry.executable_id = compiled.executable_id
         entry.aliases = dict(compiled.aliases)

@@ -588,8 +588,7 @@ def _pipeline_plan(count: int, device_mapping: Any, pipeline_schedule: Any,
     """The pipeline of ``count`` stage functions, in the form ``tf_ipu.pipelining.plan``
     gives a Keras model's (one micro-batch a call: one request); ValueError naming a bad
     argument."""
-    from tf_ipu import notices
-    from tf_ipu.pipelining import PipelineSchedule
+    from tf_ipu.pipelining import PipelineSchedule, stage_memory_proportions
 
     if device_mapping is None:
         mapping = list(range(count))
@@ -612,14 +611,16 @@ def _pipeline_plan(count: int, device_mapping: Any, pipeline_schedule: Any,
                              f"Interleaved, Sequential). Received: "
                              f"pipeline_schedule={pipeline_schedule!r}")
         schedule = by_name[schedule.lower()]
-    if poplar_options is not None:
-        if not isinstance(poplar_options, (list, tuple)) or len(poplar_options) != count:
-            raise ValueError(f"{what}: poplar_options must be a list of {count} "
-                             f"PipelineStageOptions, one per stage. Received: "
-                             f"poplar_options={poplar_options!r}")
-        notices.once(f"{what}(poplar_options)",
-                     "are accepted and do not change what the program computes (there is no "
-                     "Poplar here).")
+    if poplar_options is not None and (not isinstance(poplar_options, (list, tuple))
+                                       or len(poplar_options) != count):
+        raise ValueError(f"{what}: poplar_options must be a list of {count} "
+                         f"PipelineStageOptions, one per stage. Received: "
+                         f"poplar_options={poplar_options!r}")
+    # Graphcore passes them as the stages' forward options: their availableMemoryProportion
+    # plans each stage's products (the tile model); results do not change.
+    proportions = stage_memory_proportions(
+        {"forward_propagation_stages_poplar_options": poplar_options}, count, what,
+        training=False)
     ipus = max(mapping) + 1
     return {
         "stages": count,
@@ -634,6 +635,7 @@ def _pipeline_plan(count: int, device_mapping: Any, pipeline_schedule: Any,
         "steps_per_execution": 1,
         "offload": None,
         "sharding": False,
+        "stage_memory_proportions": proportions,
     }
 
 
@@ -730,7 +732,9 @@ def export_pipeline(
             IPU.
         pipeline_schedule: a ``PipelineSchedule`` (default ``Grouped``); it sizes the
             program, and does not change its results.
-        poplar_options: one ``PipelineStageOptions`` per stage: accepted, with no effect.
+        poplar_options: one ``PipelineStageOptions`` per stage, as the stages' forward
+            options: their ``availableMemoryProportion`` plans each stage's matmuls and
+            convolutions in the estimate; results do not change.
         name: the pipeline's name (the program's, in reports); default ``"pipeline"``.
         predict_step_signature: the first stage's input specs (after ``inputs``); may be
             omitted when it is a tf.function with an ``input_signature``, when

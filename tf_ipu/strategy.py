@@ -88,7 +88,7 @@ class _IPUExtended(OneDeviceExtended):
         this way. Elsewhere (one replica, or on the host): the values as they are."""
         values = [v for v, _ in value_destination_pairs]
         replicas = _lowering_replicas()
-        if replicas <= 1 or not values:
+        if (replicas <= 1 and not _lowering_world()) or not values:
             return values
         op = {tf.distribute.ReduceOp.SUM: "sum", tf.distribute.ReduceOp.MEAN: "mean"}.get(reduce_op)
         if op is None:
@@ -109,6 +109,17 @@ def _lowering_replicas() -> int:
     return getattr(_state, "replicas", 1) if _lowering_depth() > 0 else 1
 
 
+def _lowering_world() -> bool:
+    """Whether the device program being lowered is one program of several instances'
+    replicas (``tf-ipu-run`` with ``popdist.tensorflow.set_ipu_config``): it all-reduces
+    and draws its seeds by global replica index even with one replica per instance."""
+    if _lowering_depth() == 0:
+        return False
+    from tf_ipu import runtime
+
+    return runtime.get_runtime().world_instances() > 1
+
+
 def all_reduce(values: list[Any], op: str = "sum") -> list[tf.Tensor]:
     """``values`` reduced across the replicas of the device program being lowered: one
     ``tf_ipu_all_reduce`` for all of them (docs/ir.md). Sparse gradients (IndexedSlices)
@@ -124,7 +135,9 @@ def all_reduce(values: list[Any], op: str = "sum") -> list[tf.Tensor]:
 
 
 def replica_id() -> tf.Tensor:
-    """This replica's index (int32, 0 .. replicas-1) in the device program being lowered."""
+    """This replica's index (int32, 0 .. replicas-1) in the device program being lowered; in
+    a program of several instances, its index in the whole run (instance x local replicas +
+    local index)."""
     from tensorflow.compiler.tf2xla.python import xla
 
     from device_server.protocol import REPLICA_ID_TARGET

@@ -951,6 +951,7 @@ def compile_module(
                           optimizer_state_offload=options.optimizer_state_offload,
                           optimizer_state_sharding=options.optimizer_state_sharding,
                           memory_proportions=options.memory_proportions(),
+                          stage_memory_proportions=options.stage_memory_proportions,
                           partials_types=options.partials_types(),
                           on_failure="report")
     cancel.checkpoint("planning the tile mapping")

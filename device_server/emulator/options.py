@@ -2,6 +2,7 @@
 
     CompileOptions --_checked_options--> a checked copy --+--> numerics(target)      (numerics.py)
     (frozen dataclass)                                    +--> memory_proportions()  (tiles/)
+                                                          +--> stage_memory_proportions (tiles/)
                                                           +--> partials_types()      (tiles/)
 
 Numerics, fault injection, out-of-memory policy, replication and pipelining are all switched
@@ -16,6 +17,7 @@ from typing import Any
 
 from device_server.emulator import numerics
 from device_server.emulator.arch import Target
+from device_server.emulator.tiles.proportions import check_entry
 
 __all__ = ["CompileOptions"]
 
@@ -46,6 +48,10 @@ class CompileOptions:
     ``convolution_available_memory_proportion``: PopLibs' availableMemoryProportion of the
     ``dot`` / ``convolution`` plans, 0 .. 1 (None: the preset's, 0.6); lower plans hold fewer
     temporaries per tile and cost as many cycles or more (``tiles/matmul.py``).
+    ``stage_memory_proportions``: (phase, stage, kind, proportion) entries, a pipeline's
+    ``PipelineStageOptions``: the proportion of the "matmul" / "convolution" products of one
+    pass ("forward", "backward", "update") of one stage, in place of the two above there
+    (``tiles/proportions.py``).
 
     Replication (``emulator/replicas.py``): ``replicas``: how many replicas run the program
     at once (1: not replicated); ``system``: the ``protocol.hardware.System`` whose IPUs run
@@ -77,6 +83,7 @@ class CompileOptions:
     matmul_available_memory_proportion: float | None = None
     convolution_available_memory_proportion: float | None = None
     replicas: int = 1
+    instances: int = 1  # servers whose replicas run it as one program (emulator/world.py)
     system: Any = None
     ipu_ids: tuple[int, ...] = ()
     pipeline_stages: int = 1
@@ -87,6 +94,7 @@ class CompileOptions:
     recomputation: bool = False
     optimizer_state_offload: str = "auto"    # "auto" | "on" | "off" (pipeline.placement)
     optimizer_state_sharding: bool = False
+    stage_memory_proportions: tuple[tuple[str, int, str, float], ...] = ()
 
     def memory_proportions(self) -> dict[str, float]:
         """Opcode -> availableMemoryProportion of the options that set one (checked)."""
@@ -129,4 +137,6 @@ def _checked_options(options: CompileOptions) -> CompileOptions:
     if not isinstance(options, CompileOptions):
         raise TypeError(f"options must be CompileOptions, got {type(options).__name__}.")
     options.memory_proportions()  # ValueError: a proportion outside [0, 1]
+    for entry in options.stage_memory_proportions:  # ValueError naming the stage
+        check_entry(entry, options.pipeline_stages)
     return dataclasses.replace(options, refuse_opcodes=frozenset(options.refuse_opcodes))

@@ -15,6 +15,13 @@ with their cross-replica sums (GCL). Replicas stop together: whether to end a de
 is decided once per step for all of them, so none waits at a collective the others never
 reach; a replica that fails breaks the group, and the others stop at their next collective.
 The reduction adds in replica order, so results do not depend on thread timing.
+
+Across device servers (``emulator/world.py``): a program compiled for several instances runs
+its local replicas here as replicas ``first_replica .. first_replica + R - 1`` of the run
+(``tf_ipu_replica_id`` gives that global index); where it meets (all-reduce, a step's stop
+decision, an infeed pull), the last local replica to arrive also meets the other servers
+(a ``WorldRun``), so sums span every replica of the run, in global order, and stop
+decisions are the run's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,14 @@ import numpy as np
 
 from device_server.emulator import cancel
 from device_server.emulator.errors import EmulatorError, ExecutionError
+from device_server.emulator.world import (
+    PULL,
+    WorldBroken,
+    WorldMismatch,
+    WorldRun,
+    stop_code,
+    stop_reason,
+)
 
 #: Reductions ``tf_ipu_all_reduce`` knows (its ``backend_config``), as Graphcore's GCL names
 #: ADD, MEAN, MAX, MIN, MUL.
@@ -45,15 +60,22 @@ class ReplicaGroup:
     """The replicas of one run: where they meet.
 
     Args:
-        count: how many replicas run the program.
+        count: how many replicas run the program here.
         token: the run's stop token (``cancel.StopToken``) or None.
+        world: the run's meeting with the other device servers (a program of several
+            instances that meets), or None.
+        first_replica: the global index of this server's first replica (a program of
+            several instances: its server's rank x ``count``), else 0.
     """
 
-    def __init__(self, count: int, token: cancel.StopToken | None = None) -> None:
+    def __init__(self, count: int, token: cancel.StopToken | None = None,
+                 world: WorldRun | None = None, first_replica: int = 0) -> None:
         if count < 1:
             raise ValueError(f"a replica group needs at least one replica, not {count}")
         self.count = count
         self.token = token
+        self.world = world
+        self.first_replica = world.first_replica if world is not None else first_replica
         self._cond = threading.Condition(threading.Lock())
         self._arrived = 0
         self._generation = 0
@@ -114,13 +136,16 @@ class ReplicaGroup:
         ufunc = _UFUNC[op]
 
         def combine(values: list[Any]) -> list[Any]:
+            # Every replica's operands in (global) replica order: this server's, or the run's.
+            everyone = values if self.world is None else self.world.contributions(values, where)
             reduced = []
             for k in range(len(values[0])):
-                total = np.array(values[0][k], copy=True)
-                for r in range(1, self.count):
-                    ufunc(total, values[r][k], out=total)
+                total = np.array(everyone[0][k], copy=True)
+                for r in range(1, len(everyone)):
+                    ufunc(total, everyone[r][k], out=total)
                 if op == "mean":
-                    total = (total / total.dtype.type(self.count)).astype(total.dtype, copy=False)
+                    total = (total / total.dtype.type(len(everyone))).astype(total.dtype,
+                                                                            copy=False)
                 reduced.append(total)
             self.all_reduce_bytes += sum(int(np.asarray(a).nbytes) for a in values[0])
             # Replica 0 keeps the reduced arrays; the others get copies (a program may write
@@ -132,6 +157,21 @@ class ReplicaGroup:
     def agree(self, replica: int, where: str, ask: Any) -> Any:
         """One answer for all replicas: ``ask()`` called once, by the last to arrive."""
         return self._meet(replica, where, None, lambda _: [ask()] * self.count)
+
+    def stop_now(self, replica: int, where: str, token: cancel.StopToken) -> bool:
+        """Whether the run stops at this step: one answer for all replicas of the run (of
+        every server: the highest stop reason of any wins, and becomes this token's)."""
+        world = self.world
+        if world is None:
+            return bool(self.agree(replica, where, token.at_step))
+
+        def ask() -> bool:
+            code = world.agree(stop_code(token.reason if token.at_step() else None), where)
+            if code and token.reason is None:
+                token.stop(stop_reason(code) or "cancelled")  # another instance's stop
+            return bool(code)
+
+        return bool(self.agree(replica, where, ask))
 
 
 class ReplicaToken:
@@ -160,14 +200,19 @@ class ReplicaToken:
         parent = self.parent
         assert parent is not None and parent.infeed is not None
 
+        world = self.group.world
+
         def combine(_: list[Any]) -> list[Any]:
             batches = []
             for _r in range(self.group.count):
                 batch = parent.infeed(feed, parent, where)
                 if batch is None:
-                    return [None] * self.group.count
+                    break
                 batches.append(batch)
-            return batches
+            ended = len(batches) < self.group.count
+            if world is not None:  # the feed of any instance ended: it ends for the run
+                ended = bool(world.agree(int(ended), f"{where} pull", PULL))
+            return [None] * self.group.count if ended else batches
 
         return self.group._meet(self.replica, f"{where} pull", None, combine)
 
@@ -176,8 +221,7 @@ class ReplicaToken:
         if parent is None:
             return False
         self._steps += 1
-        return bool(self.group.agree(self.replica, f"step {self._steps} of the device loop",
-                                     parent.at_step))
+        return self.group.stop_now(self.replica, f"step {self._steps} of the device loop", parent)
 
     def in_loop(self) -> bool:
         return self.parent.in_loop() if self.parent is not None else False
@@ -205,8 +249,9 @@ class ReplicaToken:
 
     def stopped(self, where: str) -> cancel.RunStopped:
         if self.parent is not None:
-            return self.parent.stopped(f"{where} (replica {self.replica})")
-        return cancel.RunStopped(f"stopped at {where} (replica {self.replica})", "cancelled")
+            return self.parent.stopped(f"{where} (replica {self.group.first_replica + self.replica})")
+        return cancel.RunStopped(
+            f"stopped at {where} (replica {self.group.first_replica + self.replica})", "cancelled")
 
 
 _local = threading.local()
@@ -219,14 +264,18 @@ def current() -> tuple[ReplicaGroup, int] | None:
 
 def run_replicated(exe: Any, args: Sequence[Sequence[np.ndarray]],
                    donated: Sequence[Iterable[int]] | None = None,
-                   stop: cancel.StopToken | None = None) -> tuple[list[list[np.ndarray]], ReplicaGroup]:
+                   stop: cancel.StopToken | None = None, world: WorldRun | None = None,
+                   first_replica: int = 0) -> tuple[list[list[np.ndarray]], ReplicaGroup]:
     """Runs ``exe`` (an ``Executable``) once per replica, replica ``r`` on ``args[r]`` (the
     replicas may share arrays they only read), all at once; returns each replica's outputs
     and the group (its counters). ``donated[r]``: as ``Executable.run``'s, per replica.
     A device loop stopped early leaves ``stop.steps_completed`` set, as for one replica.
-    Raises the first replica's error (not a ``GroupBroken`` of the others)."""
+    ``world``: the run's meeting with the other servers (their replicas are the run's
+    too); ``first_replica``: the global index of replica 0 here when there is no meeting.
+    Raises the first replica's error (not a ``GroupBroken`` of the others); with a world, an
+    error of this server's replicas is first sent to the other servers (the run breaks)."""
     count = len(args)
-    group = ReplicaGroup(count, stop)
+    group = ReplicaGroup(count, stop, world, first_replica)
     donated = list(donated) if donated is not None else [()] * count
     tokens = [ReplicaToken(group, r, stop) for r in range(count)]
     # Each replica's outfeed items, handed on after the run as one item per step holding
@@ -260,6 +309,9 @@ def run_replicated(exe: Any, args: Sequence[Sequence[np.ndarray]],
     if first is None:
         first = next((e for e in errors if e is not None), None)
     if first is not None:
+        if world is not None and not isinstance(first, (WorldBroken, WorldMismatch)):
+            # Not agreed by the run (as a mismatch or a stop is): the others must not wait.
+            world.world.fail(f"{type(first).__name__}: {first}")
         raise first
     if stop is not None:
         completed = [t.steps_completed for t in tokens]

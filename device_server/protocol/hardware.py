@@ -13,6 +13,9 @@
     a pod of Pod64s:  Pod64 #0 (16 machines, IPU-Link torus) ══GW-Links══ Pod64 #1 ...
                       ``pods``: the IPU-Link domains (IPUs 64p .. 64p+63); between them only
                       the machines' GW-Links (``GwLink``: bytes/s each way per machine)
+    host servers:     ``hosts`` (1 per Pod64), each feeding its machines' gateways through
+                      its NICs (``host_server_bytes_per_s``; ``host_feed`` states what a
+                      rate asks of them: not charged by the estimate)
 
 This module is the one place where versions and systems are named: the client's IPUConfig,
 the server's ``--ipu-version`` / ``--system`` flags and the emulator's presets
@@ -112,6 +115,9 @@ class System:
     streaming_memory_bytes_per_s: float = 0.0  # per IPU, each way
     machines: int = 0          # IPU-Machines (M2000 / Bow-2000); 0: not built of machines
     hosts: int = 1             # host servers
+    host_server_bytes_per_s: float = 0.0   # what one host server's RoCE NICs move to its
+                                           # machines, each way (0: not stated); reported,
+                                           # not charged (System.host_feed)
     pods: tuple[tuple[int, ...], ...] = ()    # IPU-Link domains (Pod64s); (): one, all IPUs
     gw_link: GwLink | None = None              # the machines' GW-Links between the pods
     _adjacency: dict[int, dict[int, Link]] = field(default_factory=dict, compare=False, repr=False)
@@ -141,6 +147,18 @@ class System:
     def ipus_per_machine(self) -> int:
         """IPUs of one machine (4 for an M2000 or Bow-2000), 0 if not built of machines."""
         return self.num_ipus // self.machines if self.machines else 0
+
+    def host_feed(self, bytes_per_s: float, hosts: int = 0) -> str:
+        """``bytes_per_s`` streamed from ``hosts`` host servers (0: ``self.hosts``) to all the
+        IPUs, against what each one's NICs carry (``host_server_bytes_per_s``): one line; ""
+        if not stated."""
+        if not self.host_server_bytes_per_s:
+            return ""
+        hosts = hosts or self.hosts
+        per_host = bytes_per_s / hosts
+        return (f"{per_host / 1e9:.1f} GB/s from each of {hosts} host server"
+                f"{'s' if hosts != 1 else ''}: {per_host / self.host_server_bytes_per_s:.0%} "
+                f"of its NICs' {self.host_server_bytes_per_s / 1e9:g} GB/s")
 
     @property
     def num_pods(self) -> int:
@@ -229,7 +247,10 @@ _STREAMING_MEMORY_BYTES_PER_S = 20e9
 # "Switched GW-Links in large scale Pod systems", IPU-POD DA build and test guide):
 _POD64_MACHINES = 16      # a Pod64 is 16 IPU-Machines (M2000 or Bow-2000), 64 IPUs
 _HOSTS_PER_POD64 = 1      # datasheets: 1 to 4 host servers, 1 by default; the MLPerf logs'
-                          # Pod64 / Pod128 / Pod256 runs state 1 / 2 / 4 hosts (n_hosts)
+                          # Pod64 / Pod128 / Pod256 runs state 1 / 2 / 4 hosts (n_hosts), as
+                          # BERT v1.1's Pod128 script runs (2 hosts, 2 instances); ResNet-50
+                          # v1.1's run_and_time.sh ran 4 per Pod64 (16 on a Pod256), with an
+                          # instance per 2 replicas to feed them (its README: more input feeds)
 _GW_LINK_PORTS = 2        # GW-Link ports per machine (M2000: DA build guide; Bow-2000 datasheet)
 _GW_LINK_LINE_BYTES_PER_S = 100e9 / 8   # 100 Gbit/s each way per port (100 GbE; Bow-2000 datasheet)
 _GW_LINK_EFFICIENCY = 0.85              # assumption: the IPU Model's link efficiency (Poplar)
@@ -240,6 +261,13 @@ _GATEWAY_TO_IPUS_BYTES_PER_S = 16e9
 _GW_MACHINE_BYTES_PER_S = min(_GW_LINK_PORTS * _GW_LINK_LINE_BYTES_PER_S * _GW_LINK_EFFICIENCY,
                               _GATEWAY_TO_IPUS_BYTES_PER_S)   # derived: 16 GB/s each way
 _GW_LINK_LATENCY_S = 10e-6   # assumption: one RoCE transfer IPU -> gateway -> gateway -> IPU
+# The host server's data plane: the Pod64 build and test guide's server has a "single/dual
+# port Mellanox ConnectX-5 EN 100Gb/s Ethernet" RNIC (the IPU-POD DA guide's Pod16 host: "a
+# 100GbE RoCEv2 NIC"); the dual port is taken, at the line rate (an upper bound). Not charged
+# by the estimate, whose host-link load is each machine's gateway link (replication.py):
+# bench_mlperf reports what each measured run's rate asked of every host (System.host_feed).
+_HOST_NIC_PORTS = 2
+_HOST_NIC_BYTES_PER_S = _HOST_NIC_PORTS * 100e9 / 8
 
 
 def _ladder(num_ipus: int, rung: float, rail: float, ring: bool = False) -> tuple[Link, ...]:
@@ -275,16 +303,18 @@ _MK2_SOURCES = ("docs.graphcore.ai IPU-POD DA build and test guide",
 
 
 def _mk2(name: str, description: str, version: str, machines: int, neighbour: float) -> System:
+    """``machines`` IPU-Machines and one host server (an IPU-POD DA system for 4)."""
     n = 4 * machines
     return System(
         name, description, version, n, _ladder(n, neighbour, neighbour),
         _host_links(n, 4, _GATEWAY_BYTES_PER_S, _GATEWAY_LATENCY_S, _GATEWAY),
         _MK2_SOURCES, _MK2_ASSUMPTIONS + (
             ("the machines are cabled into one ladder (a POD16's rails run through its 4 "
-             "machines)",) if machines > 1 else ()),
+             "machines)", "one host server, whose RoCE NICs (2 x 100 GbE) feed all the "
+             "machines' gateways: stated (System.host_feed), not charged") if machines > 1 else ()),
         streaming_memory_bytes=_STREAMING_MEMORY_BYTES_PER_IPU,
         streaming_memory_bytes_per_s=_STREAMING_MEMORY_BYTES_PER_S,
-        machines=machines,
+        machines=machines, host_server_bytes_per_s=_HOST_NIC_BYTES_PER_S if machines > 1 else 0.0,
     )
 
 
@@ -298,7 +328,10 @@ _POD_ASSUMPTIONS = (
     "gateway's PCIe Gen4 x8 to its IPUs (a secondary source), shared evenly by its 4 IPUs",
     f"one GW-Link transfer costs {_GW_LINK_LATENCY_S * 1e6:g} us (RoCE through two gateways); "
     "switched GW-Links (Bow Pod256) are charged as direct ones (the switch adds no limit)",
-    f"{_HOSTS_PER_POD64} host server per Pod64 (the datasheets' default; the MLPerf runs')",
+    f"{_HOSTS_PER_POD64} host server per Pod64 (the datasheets' default of 1 to 4; the MLPerf "
+    "runs' n_hosts: 1, 2, 4 on Pod64, Pod128, Pod256), whose RoCE NICs (2 x 100 GbE, "
+    f"{_HOST_NIC_BYTES_PER_S / 1e9:g} GB/s each way) feed all its machines' gateways: stated "
+    "(System.host_feed), not charged",
 )
 _POD_SOURCES = ("docs.graphcore.ai ipu-pod64-datasheet, ipu-pod128-datasheet, "
                 "bow-pod256-datasheet (Pod64 = 16 machines, 2D-torus IPU-Links, 1-4 hosts; "
@@ -306,7 +339,9 @@ _POD_SOURCES = ("docs.graphcore.ai ipu-pod64-datasheet, ipu-pod128-datasheet, "
                 "docs.graphcore.ai switched-gwlinks (GW-Links east/west between racks)",
                 "docs.graphcore.ai bow-2000-datasheet (GW-Link 2 x 100 Gbps)",
                 "docs.graphcore.ai IPU-POD DA build and test guide (M2000: 2 GW-Link ports, 100 GbE)",
-                "vengineer.hatenablog.com 2023-01-23 (IPU-Gateway to IPUs: PCIe Gen4 x8)")
+                "vengineer.hatenablog.com 2023-01-23 (IPU-Gateway to IPUs: PCIe Gen4 x8)",
+                "docs.graphcore.ai ipu-pod64-build-test, server configuration (host server RNIC: "
+                "single/dual port ConnectX-5 100 Gb/s)")
 
 
 def _pod(name: str, description: str, version: str, pod64s: int, neighbour: float) -> System:
@@ -325,6 +360,7 @@ def _pod(name: str, description: str, version: str, pod64s: int, neighbour: floa
         streaming_memory_bytes=_STREAMING_MEMORY_BYTES_PER_IPU,
         streaming_memory_bytes_per_s=_STREAMING_MEMORY_BYTES_PER_S,
         machines=_POD64_MACHINES * pod64s, hosts=_HOSTS_PER_POD64 * pod64s,
+        host_server_bytes_per_s=_HOST_NIC_BYTES_PER_S,
         pods=tuple(tuple(range(p * per, (p + 1) * per)) for p in range(pod64s)),
         gw_link=GwLink(_GW_LINK_PORTS, _GW_LINK_LINE_BYTES_PER_S, _GW_MACHINE_BYTES_PER_S,
                        _GW_LINK_LATENCY_S, kind),

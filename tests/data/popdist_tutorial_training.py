@@ -161,9 +161,12 @@ alone.build((None, *train_x.shape[1:]))
 
 
 def _own_processes() -> list[list]:
-    """This process (first) and its children (the device server its rank started before
-    becoming this program), as [pid, command line]: the test checks they are gone after
-    the run."""
+    """This process (first), its children (the watchdog its rank started before becoming
+    this program) and its device server (a rank of the servers' job: its pid in the run
+    folder), as [pid, command line]: the test checks they are gone after the run."""
+    argv = open("/proc/self/cmdline", "rb").read().decode().split("\0")
+    run_dir = argv[argv.index("--run-dir") + 1]
+    server = int(open(os.path.join(run_dir, f"server-{k}", "pid")).read())
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -173,7 +176,7 @@ def _own_processes() -> list[list]:
                 cmd = f.read().decode("utf-8", "replace")
         except (OSError, ValueError, IndexError):
             continue
-        if int(pid) == os.getpid() or parent == os.getpid():
+        if int(pid) in (os.getpid(), server) or parent == os.getpid():
             found.append([int(pid), cmd])
     return sorted(found, key=lambda p: p[0] != os.getpid())
 

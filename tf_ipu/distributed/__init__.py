@@ -1,7 +1,8 @@
 """tf_ipu.distributed: many instances, each with its own device server, on Open MPI.
 
     tf-ipu-run --num-instances N --num-replicas R -- python train.py      (launcher.py)
-        └─ mpirun: N ranks; rank k starts its device server, then runs train.py (rank.py)
+        ├─ mpirun: the servers' job, N device servers (--mpi-world; rank.py --server)
+        └─ mpirun: N ranks; rank k waits for server k, then runs train.py (rank.py)
     in train.py, instance k:
         identity     getInstanceIndex(), getNumInstances(), ... (popdist's names; identity.py)
         set_ipu_config(cfg)       cfg asks the instance's own server for its R/N replicas

@@ -2,18 +2,23 @@
 
     tf-ipu-run --num-instances 2 --num-replicas 4 -- python train.py
       │ checks 4 replicas divide among 2 instances (2 each), makes a run folder D
+      ├─ mpirun [same hosts, mapping, flags] -n 2 python -m tf_ipu.distributed.rank --server
+      │     --run-dir D --ipus 2          the servers' job: rank k becomes device server k
+      │     ├─ server 0 (2 IPUs) ─┐       (python -m device_server --mpi-world ...), COMM_WORLD
+      │     └─ server 1 (2 IPUs) ─┴─ MPI  = the run's servers (one replicated program)
       └─ mpirun --bind-to none --mca btl self,tcp [loopback only] -x POPDIST_... -n 2 \
              python -m tf_ipu.distributed.rank --run-dir D -- python train.py
-            ├─ rank 0: device server (2 IPUs) <─gRPC─ train.py, instance 0 ─┐
-            └─ rank 1: device server (2 IPUs) <─gRPC─ train.py, instance 1 ─┴─ MPI (host
-                                                                              collectives)
+            ├─ rank 0: waits for server 0's port ── train.py, instance 0 ─gRPC─> server 0
+            └─ rank 1: waits for server 1's port ── train.py, instance 1 ─gRPC─> server 1
+                       (instances' COMM_WORLD: host collectives)
             each rank's watchdog (watchdog.py) ─TCP─> this launcher (Watch): beats, losses
       meanwhile: an instance without a beat for 10 s is stuck; on the first failure (an
-      exception, an instance or server gone, a stuck one) every watchdog is told to stop
-      its instance, so the others end within 30 s instead of waiting forever
-      then: names the instance that failed first, stops any device server or watchdog
-      still running (by pid, command line checked), removes the run's /dev/shm segments and
-      D, exits with mpirun's status (non-zero if any instance failed).
+      exception, an instance or its server gone, a stuck one) every watchdog is told to
+      stop its instance, so the others end within 30 s instead of waiting forever
+      then: names the instance that failed first, ends the servers' job (SIGTERM to its
+      mpirun, SIGKILL after a grace, then any server left by pid, command line checked) and
+      any watchdog still running, removes the run's /dev/shm segments and D, exits with the
+      instances' mpirun's status (non-zero if any instance failed).
 
 Option names and meanings are poprun's (``--num-instances``, ``--num-replicas``,
 ``--ipus-per-replica``, ``--host``, ``--mpi-global-args``, ``--mpi-local-args``,
@@ -203,9 +208,10 @@ def run_environment(plan: RunPlan) -> dict[str, str]:
     return env
 
 
-def mpirun_command(plan: RunPlan, run_dir: str, mpirun: str = "mpirun") -> list[str]:
-    """The mpirun command line of ``plan`` (one rank per instance, each running
-    ``tf_ipu.distributed.rank``)."""
+def _mpirun_options(plan: RunPlan, mpirun: str) -> list[str]:
+    """What both of the run's jobs get: no binding, TCP, no busy waiting, loopback and more
+    ranks than cores for a local run, else the hosts (the same mapping for both jobs, so
+    that server k and instance k share a host), then ``--mpi-global-args``, ``-n``."""
     cmd = [mpirun, "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
@@ -219,19 +225,47 @@ def mpirun_command(plan: RunPlan, run_dir: str, mpirun: str = "mpirun") -> list[
         cmd += ["--host", ",".join(f"{h}:{per_host}" for h in plan.hosts),
                 "--map-by", "slot"]
     cmd += plan.mpi_global_args
-    cmd += ["-n", str(plan.num_instances)]
-    names = [*identity.RUN_VARIABLES, "PYTHONPATH", "PATH", "PYTHONUNBUFFERED",
-             watchdog.ADDRESS_ENV, watchdog.TOKEN_ENV]
-    names += [n for n in (watchdog.BEAT_TIMEOUT_ENV, watchdog.EXIT_TIMEOUT_ENV)
-              if n in os.environ]
+    return [*cmd, "-n", str(plan.num_instances)]
+
+
+def _exports(*names: str) -> list[str]:
+    """``-x NAME`` for each of ``names`` and the paths: exported to remote hosts too (local
+    ranks inherit them anyway)."""
+    names = ("PYTHONPATH", "PATH", "PYTHONUNBUFFERED", *names)
     if "LD_LIBRARY_PATH" in os.environ:
-        names.append("LD_LIBRARY_PATH")
-    for name in names:  # exported to remote hosts too (local ranks inherit them anyway)
-        cmd += ["-x", name]
-    cmd += plan.mpi_local_args
-    cmd += [sys.executable, "-m", "tf_ipu.distributed.rank", "--run-dir", run_dir]
+        names = (*names, "LD_LIBRARY_PATH")
+    return [a for name in names for a in ("-x", name)]
+
+
+def servers_command(plan: RunPlan, run_dir: str, mpirun: str = "mpirun") -> list[str]:
+    """The mpirun command line of the run's device servers: one rank per instance, rank k
+    becoming device server k (``rank.become_server``) with instance k's IPUs."""
+    cmd = [*_mpirun_options(plan, mpirun), *_exports(),
+           sys.executable, "-m", "tf_ipu.distributed.rank", "--server", "--run-dir", run_dir,
+           "--ipus", str(plan.local_replicas * plan.ipus_per_replica)]
     if plan.executable_cache_path:
         cmd += ["--executable-cache-path", plan.executable_cache_path]
+    return cmd
+
+
+def server_environment(plan: RunPlan) -> dict[str, str]:
+    """The servers' job's variables: the instances' without the watchdogs' address."""
+    env = run_environment(plan)
+    for name in (watchdog.ADDRESS_ENV, watchdog.TOKEN_ENV):
+        env.pop(name, None)
+    return env
+
+
+def mpirun_command(plan: RunPlan, run_dir: str, mpirun: str = "mpirun") -> list[str]:
+    """The mpirun command line of ``plan``'s instances (one rank per instance, each running
+    ``tf_ipu.distributed.rank``, then the program)."""
+    cmd = _mpirun_options(plan, mpirun)
+    timeouts = [n for n in (watchdog.BEAT_TIMEOUT_ENV, watchdog.EXIT_TIMEOUT_ENV)
+                if n in os.environ]
+    cmd += _exports(*identity.RUN_VARIABLES, watchdog.ADDRESS_ENV, watchdog.TOKEN_ENV,
+                    *timeouts)
+    cmd += plan.mpi_local_args
+    cmd += [sys.executable, "-m", "tf_ipu.distributed.rank", "--run-dir", run_dir]
     if plan.only_output_from_instance is not None:
         cmd += ["--only-output-from-instance", str(plan.only_output_from_instance)]
     return [*cmd, "--", *plan.command]
@@ -251,40 +285,23 @@ def failures(run_dir: str, num_instances: int) -> dict[int, str]:
 
 
 def _server_pids(run_dir: str, num_instances: int) -> list[int]:
-    pids = []
-    for k in range(num_instances):
-        try:
-            with open(os.path.join(rank.instance_dir(run_dir, k), rank.SERVER_PID_FILE)) as f:
-                pids.append(int(f.read().strip()))
-        except (OSError, ValueError):
-            pass
-    return pids
+    return [p for k in range(num_instances) if (p := rank.server_pid(run_dir, k)) is not None]
 
 
-def _is_our_server(pid: int, run_dir: str) -> bool:
-    """Whether ``pid`` is still a device server of this run (its command line names the
-    run folder), not a process that reused the id."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().decode("utf-8", "replace")
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X") and "device_server" in args and run_dir in args
-
-
-def stop_servers(run_dir: str, num_instances: int, grace: float = 5.0) -> list[int]:
-    """Stops the run's device servers still running (each exits by itself once its rank
-    is gone; this is the backstop): waits ``grace`` s, then SIGTERM, then SIGKILL. Returns
-    the pids that had to be signalled."""
-    pids = [p for p in _server_pids(run_dir, num_instances) if _is_our_server(p, run_dir)]
+def stop_servers(run_dir: str, num_instances: int, grace: float = 0.0,
+                 term: bool = True) -> list[int]:
+    """Stops the run's device servers on this machine still running (by the pids they
+    wrote, each checked to be a server of this run: a reused pid is never signalled): waits
+    ``grace`` s, then SIGTERM (if ``term``; 3 s), then SIGKILL (2 s). Returns the pids that
+    had to be signalled."""
+    pids = [p for p in _server_pids(run_dir, num_instances) if rank.is_run_server(p, run_dir)]
     end = time.monotonic() + grace
     while pids and time.monotonic() < end:
         time.sleep(0.05)
-        pids = [p for p in pids if _is_our_server(p, run_dir)]
+        pids = [p for p in pids if rank.is_run_server(p, run_dir)]
     signalled = list(pids)
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+    steps = ((signal.SIGTERM, 3.0),) * term + ((signal.SIGKILL, 2.0),)
+    for sig, wait in steps:
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -293,8 +310,30 @@ def stop_servers(run_dir: str, num_instances: int, grace: float = 5.0) -> list[i
         end = time.monotonic() + wait
         while pids and time.monotonic() < end:
             time.sleep(0.05)
-            pids = [p for p in pids if _is_our_server(p, run_dir)]
+            pids = [p for p in pids if rank.is_run_server(p, run_dir)]
     return signalled
+
+
+def end_servers(process: subprocess.Popen, run_dir: str, num_instances: int,
+                grace: float) -> None:
+    """Ends the servers' job once the instances are gone: SIGTERM to its mpirun (which
+    passes it to every server, on every host; each drains and exits), SIGKILL to mpirun's
+    process group if it has not ended within ``grace`` s, then whatever server of this
+    machine is left (``stop_servers``)."""
+    if process.poll() is None:
+        try:
+            process.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid, signal.SIGKILL)
+            try:
+                process.wait(2.0)
+            except subprocess.TimeoutExpired:
+                pass
+    stop_servers(run_dir, num_instances, term=False)  # orphans of a killed mpirun
 
 
 @dataclass
@@ -335,14 +374,15 @@ class Watch:
     BACKSTOP_AFTER_GRACE = 2.0  # s mpirun gets after the watchdogs' SIGKILL, then is ended
     MPIRUN_KILL_AFTER = 2.0  # s between SIGTERM and SIGKILL to mpirun's process group
     SETTLE_AFTER_MPIRUN = 2.0  # s the watchdogs get to report their instances' ends
-    SERVER_GRACE = 2.0  # s the servers get to exit by themselves (they watch their instance)
+    SERVER_GRACE = 3.0  # s the servers' job gets to end after SIGTERM, then SIGKILL
 
     def worst_case(self) -> float:
         """The longest a failure can take, from the moment it happens until the launcher
         returns with nothing of the run left: found (at most the beat timeout), stopped,
-        mpirun ended, the servers stopped (``stop_servers``: grace, SIGTERM 3 s, SIGKILL 2 s)."""
+        mpirun ended, the servers' job ended (``end_servers``: SIGTERM, SIGKILL after the
+        grace, 2 s for it to go; the servers left are then gone, or SIGKILLed: 2 s more)."""
         return (self.timeout + self.SETTLE + self.grace + self.BACKSTOP_AFTER_GRACE
-                + self.MPIRUN_KILL_AFTER + self.SETTLE_AFTER_MPIRUN + self.SERVER_GRACE + 5.0)
+                + self.MPIRUN_KILL_AFTER + self.SETTLE_AFTER_MPIRUN + self.SERVER_GRACE + 4.0)
 
     def __init__(self, run_dir: str, num_instances: int, is_python: bool, local: bool) -> None:
         self.run_dir, self.num_instances, self.is_python = run_dir, num_instances, is_python
@@ -651,13 +691,20 @@ def run(plan: RunPlan, print_command: bool = False) -> int:
     watch = Watch(run_dir, plan.num_instances,
                   rank._is_python(shutil.which(plan.command[0]) or plan.command[0]),
                   plan.is_local)
+    servers: subprocess.Popen | None = None
     try:
+        servers_cmd = servers_command(plan, run_dir, mpirun)
         cmd = mpirun_command(plan, run_dir, mpirun)
         if print_command:
+            print(f"{PROG}: {shlex.join(servers_cmd)}", file=sys.stderr, flush=True)
             print(f"{PROG}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        # The servers' job first; the instances' ranks wait for their servers' ports.
+        servers = subprocess.Popen(servers_cmd, env=server_environment(plan),
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
         env = run_environment(plan)
         env.update(watch.environment())
         process = subprocess.Popen(cmd, env=env, start_new_session=True)
+        servers_seen_ended = False
 
         stopped_by: list[int] = []
 
@@ -676,6 +723,9 @@ def run(plan: RunPlan, print_command: bool = False) -> int:
             mpirun_ran = time.monotonic()
             while process.poll() is None:
                 watch.poll(0.1)
+                if not servers_seen_ended and servers.poll() is not None:
+                    servers_seen_ended = True  # the ranks still waiting for a port give up
+                    _servers_ended(run_dir, servers.returncode)
                 now = time.monotonic()
                 if stopped_by and not signalled_at:
                     signalled_at = now
@@ -708,9 +758,10 @@ def run(plan: RunPlan, print_command: bool = False) -> int:
             print(f"{PROG}: {mpirun_lost}; ended it and the instances.", file=sys.stderr,
                   flush=True)
             failed = True
-        pids = watch.pids()
+        pids = watch.pids() + _server_pids(run_dir, plan.num_instances)
         _stop_watchdogs(pids, run_dir)
-        stop_servers(run_dir, plan.num_instances, watch.SERVER_GRACE)
+        end_servers(servers, run_dir, plan.num_instances, watch.SERVER_GRACE)
+        servers = None
         sweep_shm(pids)
         if status == 0 and failed:
             status = 1
@@ -725,8 +776,19 @@ def run(plan: RunPlan, print_command: bool = False) -> int:
                   f"above).", file=sys.stderr, flush=True)
         return 128 - status if status < 0 else status  # killed by a signal: 128 + signum
     finally:
+        if servers is not None:  # an error of the launcher itself: no server is left
+            end_servers(servers, run_dir, plan.num_instances, watch.SERVER_GRACE)
         watch.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _servers_ended(run_dir: str, status: int) -> None:
+    """Tells the ranks waiting for a server's port that the servers' job ended."""
+    try:
+        with open(os.path.join(run_dir, rank.SERVERS_ENDED_FILE), "w") as f:
+            f.write(f"{status}\n")
+    except OSError:
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

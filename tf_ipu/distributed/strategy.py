@@ -3,10 +3,9 @@
     instance 0                                   instance k
     with strategy.scope(): model = ...           with strategy.scope(): model = ...
       each new variable's initial value ──Bcast(root 0)──> replaces k's own
-                                                   (a Keras seed state: then moved on by
-                                                    k's first replica index, see below)
     model.fit(shard 0)                           model.fit(shard k)
-      device: its replicas, its own server         device: its replicas, its own server
+      device: its replicas on server 0 ══ one replicated program ══ its replicas on server k
+              (all-reduce over every replica of the run: the servers' MPI world)
       host: each call's logs ─────────Allreduce (mean)──────── each call's logs
       epoch-end metrics    ─────────Allreduce (mean)──────── epoch-end metrics
     strategy.reduce(SUM/MEAN, v) ─────Allreduce──────────── strategy.reduce(...)
@@ -14,15 +13,15 @@
 Only when the program was configured for the run (``popdist.tensorflow.set_ipu_config`` or
 ``update_ipu_config``); otherwise the instances run independently and a warning says so.
 Keras's random seed states (``SeedGenerator``: Dropout's, the global one) are broadcast
-too, then moved on by the instance's first replica index times the stride that
-``replication.install_replica_seeds`` adds per local replica, so replica j of instance k
-draws as replica k x local replicas + j of one program would: every replica of the run
-draws its own Dropout masks, as Graphcore's do, even when all instances were seeded alike.
+too, unchanged: the device programs of a joined run are one replicated program over every
+instance's replicas (``CompileOptions.instances``, device_server/emulator/world.py), whose
+``tf_ipu_replica_id`` is the global replica index, so ``replication.install_replica_seeds``
+moves replica j of instance k's seeds as replica k x local replicas + j of one program:
+every replica of the run draws its own Dropout masks, as Graphcore's do. The gradient
+all-reduce spans every replica of the run, in global replica order, so the instances'
+weights stay identical, bit for bit those of one instance running all the replicas.
 ``num_replicas_in_sync`` is the run's replicas, as Graphcore's reports: Keras scales each
-replica's loss by its inverse (see the property for what that means before point 3).
-Within a device program everything is IPUStrategy's: each instance's replicas all-reduce
-among themselves; joining the instances' replicas into one all-reduced program is not done
-yet (docs/architecture.md, "Many instances").
+replica's loss by its inverse, and the all-reduced sum is the run's mean gradient.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import tensorflow as tf
 
 from tf_ipu import notices
 from tf_ipu.distributed import identity, mpi, popdist_api
-from tf_ipu.replication import REPLICA_SEED_STRIDE
 from tf_ipu.strategy import IPUStrategy, _IPUExtended, _lowering_depth
 
 _NOT_JOINED = "PopDistStrategy"
@@ -71,36 +69,19 @@ def _is_seed_state(kwargs: dict[str, Any]) -> bool:
     return name.rsplit("/", 1)[-1].split(":")[0] == _SEED_STATE_NAME
 
 
-def _apart_by_instance(t: Any) -> tf.Tensor:
-    """A seed state [seed, counter] moved on by this instance's first replica's index, so
-    that replica j of instance k draws as replica k x local replicas + j of one program
-    would (install_replica_seeds adds j): Graphcore's replicas all draw apart."""
-    t = tf.convert_to_tensor(t)
-    if not t.dtype.is_integer or t.shape.rank != 1 or t.shape[0] != 2:  # not [seed, counter]
-        return t
-    offset = identity.getReplicaIndexOffset() * REPLICA_SEED_STRIDE
-    return t + tf.constant([offset, 0], dtype=t.dtype)
-
-
-def _initial_for_run(initial: Any, dtype: Any, seed_state: bool) -> tf.Tensor:
-    value = _broadcast_tensor(initial, dtype)
-    return _apart_by_instance(value) if seed_state else value
-
-
 class _PopDistExtended(_IPUExtended):
     """IPUStrategy's extended, whose new variables start from instance 0's values (Keras's
-    random seed states moved apart per instance) and whose host-side reductions span the
-    instances."""
+    random seed states included: the device program moves them apart per global replica)
+    and whose host-side reductions span the instances."""
 
     def _create_variable(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         strategy = self._container_strategy()
         if _strategy_joined(strategy) and "initial_value" in kwargs:
             initial, dtype = kwargs["initial_value"], kwargs.get("dtype")
-            seed_state = _is_seed_state(kwargs)
             if callable(initial):
-                kwargs["initial_value"] = lambda: _initial_for_run(initial(), dtype, seed_state)
+                kwargs["initial_value"] = lambda: _broadcast_tensor(initial(), dtype)
             else:
-                kwargs["initial_value"] = _initial_for_run(initial, dtype, seed_state)
+                kwargs["initial_value"] = _broadcast_tensor(initial, dtype)
         return super()._create_variable(next_creator, **kwargs)
 
     def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
@@ -126,8 +107,8 @@ class PopDistStrategy(IPUStrategy):
     Args:
         config: as IPUStrategy's.
         ipu_device: Graphcore's argument, accepted (one IPU device here).
-        add_ipu_cross_replica_reductions: Graphcore's; reductions in a device program are
-            IPUStrategy's (across the instance's replicas); False is named in a warning.
+        add_ipu_cross_replica_reductions: Graphcore's; reductions in a device program span
+            every replica of the run; False is named in a warning.
         enable_dataset_iterators, enable_keras_extensions: as IPUStrategy's.
 
     Example:
@@ -150,8 +131,8 @@ class PopDistStrategy(IPUStrategy):
                          enable_keras_extensions=enable_keras_extensions)
         if not add_ipu_cross_replica_reductions:
             notices.once("PopDistStrategy(add_ipu_cross_replica_reductions=False)",
-                         "has no effect here: a device program's reductions span the "
-                         "instance's replicas.")
+                         "has no effect here: a device program's reductions span every "
+                         "replica of the run.")
         self.extended.__class__ = _PopDistExtended
         _install_keras_reduction()
         if identity.is_multi_instance():
@@ -175,10 +156,9 @@ class PopDistStrategy(IPUStrategy):
 
         Keras scales each replica's loss by ``1 / num_replicas_in_sync``, so the replicas'
         summed gradients are the run's mean gradient, as on Graphcore's (its tutorial's
-        learning rate assumes so). The sum here spans this instance's replicas only (issue
-        27, point 3), so with several instances an update is local replicas / total
-        replicas times the instance's mean-gradient update until the instances' replicas
-        are all-reduced together; with one instance it is exact."""
+        learning rate assumes so): the device program's all-reduce spans every replica of
+        the run (device_server/emulator/world.py), so no correction by local / total
+        replicas is needed."""
         if not identity.isPopdistEnvSet():
             return 1
         if identity.getNumInstances() == 1 or self.joined:

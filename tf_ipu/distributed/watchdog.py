@@ -1,6 +1,7 @@
 """Each instance's watchdog: the liveness beat, sent from outside the instance's GIL.
 
-    rank k (pid P) ── spawns ── device server S (--parent-pid P)
+    servers' job, rank k: device server S (same host; its pid in D/server-k/pid)
+    instances' job, rank k (pid P) ── waits for S's port
                  └─ spawns ── watchdog W (its own session; argv names the run folder)
                                 │ pidfd(P), pidfd(S): woken the moment either ends
                                 │ every beat interval: /proc/P/stat, /proc/S/stat
@@ -23,9 +24,13 @@ after ``beat timeout`` seconds without a beat. An instance that is alive but dea
 
 On ``stop`` (another instance failed, or this one), the watchdog prints the message on the
 instance's stderr, sends SIGTERM to the instance (SIGKILL at once if ``now``, else after
-the grace), and exits once it is gone. If the launcher's connection closes, it stops the
-instance the same way (nobody would be watching the run any more). Imports neither
-TensorFlow nor MPI.
+the grace), and exits once it is gone; the launcher then ends the servers' job. If the
+launcher's connection closes, it stops the instance the same way, then its device server
+(SIGTERM, SIGKILL after the grace): nobody would be watching the run, or ending the
+servers' job, any more. The server is not the instance's child (it is a rank of the
+servers' job, on the same host): a pidfd watches it all the same, but how it ended is
+known only if the watchdog sees it as a zombie, before its mpirun reaps it (else "ended").
+Imports neither TensorFlow nor MPI.
 """
 
 from __future__ import annotations
@@ -154,6 +159,17 @@ def _say(text: str) -> None:
         pass
 
 
+def _stop_server(server: _Process, grace: float) -> None:
+    """SIGTERM to the instance's device server, SIGKILL after ``grace`` s (the launcher is
+    gone: nobody else would end it)."""
+    if server.gone():
+        return
+    server.signal(signal.SIGTERM)
+    if server.fd is not None and not select.select([server.fd], [], [], grace)[0]:
+        server.signal(signal.SIGKILL)
+        select.select([server.fd], [], [], 2.0)
+
+
 def _stop_instance(instance: _Process, index: int, message: str, now: bool,
                    grace: float) -> None:
     if instance.gone():
@@ -234,6 +250,7 @@ def watch(run_dir: str, address: tuple[str, int], token: str, index: int, instan
             if not data:  # the launcher is gone: nobody watches the run any more
                 _stop_instance(instance, index, "the launcher (tf-ipu-run) is gone", False,
                                grace)
+                _stop_server(server, grace)
                 return 1
             buffer += data
             while b"\n" in buffer:

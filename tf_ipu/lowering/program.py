@@ -305,7 +305,8 @@ def lower_function(
     if pipeline:
         sig["pipeline"] = {k: pipeline[k] for k in ("stages", "stage_ipus", "ipus_per_replica",
                                                     "schedule", "micro_batches", "recomputation",
-                                                    "offload", "sharding") if k in pipeline}
+                                                    "offload", "sharding",
+                                                    "stage_memory_proportions") if k in pipeline}
     if resident_outputs:
         sig["op_outputs"] = op_outputs
     if dynamic_outputs:

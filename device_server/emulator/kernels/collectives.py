@@ -5,7 +5,8 @@ a replicated program.
                                                     "min" | "prod"
                ──> emulator/replicas.py ReplicaGroup.all_reduce: every replica's operands
                    reduced in replica order; each replica gets the same values
-    replica r: i = tf_ipu_replica_id()              s32[]: r
+    replica r: i = tf_ipu_replica_id()              s32[]: r (its index in the whole run:
+                                                    first replica of its server + r)
 
 Graphcore's replicated graphs sum gradients across replicas with a cross-replica sum (GCL's
 all-reduce); this is its emulation. Outside a replicated run (one replica) the all-reduce
@@ -75,6 +76,6 @@ def _replica_id(ctx: KernelContext) -> KernelFn:
 
     def run(ops: Sequence[Any]) -> Any:
         here = replicas.current()
-        return np.asarray(0 if here is None else here[1], dtype=dt)
+        return np.asarray(0 if here is None else here[0].first_replica + here[1], dtype=dt)
 
     return run

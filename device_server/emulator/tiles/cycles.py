@@ -22,8 +22,8 @@ import math
 
 from device_server.emulator.arch import Target
 
-__all__ = ["compute_cycles", "exchange_cycles", "host_seconds", "memory_rate", "vector_rate",
-           "worker_pieces"]
+__all__ = ["compute_cycles", "exchange_cycles", "host_seconds", "memory_rate", "staged_host_seconds",
+           "vector_rate", "worker_pieces"]
 
 
 def vector_rate(target: Target, itemsize: int) -> float:
@@ -77,3 +77,21 @@ def host_seconds(target: Target, bytes_in: int, bytes_out: int, *, bytes_per_s: 
         if b > 0:
             total += latency + max(1, sharers) * b / rate
     return total * target.host_link_cycle_scale  # end-to-end scale (calibration.json; 1.0 unfitted)
+
+
+def staged_host_seconds(target: Target, network_s: float, bytes_in: int, bytes_out: int,
+                        staging_bytes_per_s: float, device_s: float) -> float:
+    """The host transfers' share of a call's time when Poplar prefetches them through a staging
+    area near the IPU (Streaming Memory, the IPU-Machine's DRAM: Graphcore's TensorFlow user
+    guide, "Efficient IPU I/O", Prefetch elements; prefetch is on by default in Poplar, PopTorch
+    user guide, "Efficient IPU I/O"). The host's transfer to and from the staging area
+    (``network_s``, as ``host_seconds`` gives it) runs while the IPU computes; what blocks the
+    IPU is the copy between the staging area and its tiles (the StreamCopyMid of a profile),
+    ``bytes_in + bytes_out`` at ``staging_bytes_per_s``; overlapping that copy too needs I/O
+    tiles (same guide, "I/O Tiles"), which the model does not plan. A call then takes
+    max(device + copy, network): this returns the part beyond ``device_s``, max(copy, network
+    - device). ``staging_bytes_per_s`` 0 (no staging area): ``network_s``, all serial."""
+    if staging_bytes_per_s <= 0:
+        return network_s
+    copy = (bytes_in + bytes_out) / staging_bytes_per_s * target.host_link_cycle_scale
+    return max(copy, network_s - max(0.0, device_s))

@@ -604,6 +604,10 @@ def render_html(report: dict[str, Any]) -> str:
     if ctx.get("available_memory_proportion"):
         summary.append(("availableMemoryProportion", ", ".join(
             f"{op} {v:g}" for op, v in ctx["available_memory_proportion"].items())))
+    if ctx.get("stage_available_memory_proportion"):  # PipelineStageOptions, per stage
+        summary.append(("availableMemoryProportion per stage", "; ".join(
+            f"{what} " + " ".join("-" if v is None else f"{v:g}" for v in values)
+            for what, values in ctx["stage_available_memory_proportion"].items())))
     if ctx.get("half_partials"):
         summary.append(("partialsType half", ", ".join(ctx["half_partials"])))
     summary += [

@@ -850,7 +850,8 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
     all_reduce = updates * all_reduce_update
     replica_sync = external_sync_seconds(system, where.ipu_ids, t) * clock if R > 1 else 0.0
     first_ipus = tuple(where.ipu_id(r, where.stage_ipus[0]) for r in range(R))
-    load = host_link_load(Replication(R, system, first_ipus, t), plan.host_bytes_in, plan.host_bytes_out)
+    load = host_link_load(Replication(R, system, first_ipus, t), plan.host_bytes_in,
+                          plan.host_bytes_out, device_seconds=device / clock)  # prefetched
     host = load.seconds * clock
 
     worst = max(ipus, key=lambda d: d["peak_tile_bytes"])

@@ -24,7 +24,7 @@ is planned at its bound (what Poplar allocates).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from device_server.emulator import calibration, cancel
 from device_server.emulator.arch import Target
@@ -62,6 +62,7 @@ from device_server.emulator.tiles.plan import (
 )
 from device_server.emulator.tiles.problems import ProblemPlanning
 from device_server.emulator.tiles.products import ProductPlanning
+from device_server.emulator.tiles.proportions import Entry, StageProportions
 from device_server.emulator.tiles.reductions import ReductionPlanning
 from device_server.emulator.tiles.replication import Replication
 from device_server.emulator.tiles.state import LiveFn
@@ -247,7 +248,8 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
                 replication: Replication | None = None,
                 implied_all_reduce_bytes: int = 0, stages: int = 1,
                 memory_proportions: Mapping[str, float] | None = None,
-                partials_types: Mapping[str, str] | None = None) -> ModulePlan:
+                partials_types: Mapping[str, str] | None = None,
+                stage_memory_proportions: Iterable[Entry] = ()) -> ModulePlan:
     """Plans ``module`` for ``target`` (see module docstring).
 
     Args:
@@ -271,6 +273,11 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
             of those products may use for temporaries (PopLibs' availableMemoryProportion,
             0 .. 1; ``matmul.plan_matmul``); an opcode not named: the preset's
             ``available_memory_proportion``.
+        stage_memory_proportions: (phase, stage, kind, proportion) entries: the
+            availableMemoryProportion of the ``"matmul"`` / ``"convolution"`` products of one
+            pass ("forward", "backward", "update") of one pipeline stage, which replaces
+            ``memory_proportions`` there (Graphcore's ``PipelineStageOptions``,
+            ``proportions.py``).
         partials_types: ``"dot"`` / ``"convolution"`` -> PopLibs' partialsType of those
             products' plans, ``"float"`` or ``"half"``: FP16 products planned with "half"
             hold and exchange FP16 partial sums (half the bytes); an opcode not named, or
@@ -282,6 +289,12 @@ def plan_module(module: ir_pb2.Module, target: Target, live: LiveFn | None = Non
     planner = _Planner(module, target, live or live_instructions, param_kinds, mappings, replication,
                        stages)
     planner.memory_proportions = {str(k): float(v) for k, v in (memory_proportions or {}).items()}
+    entries = list(stage_memory_proportions or ())
+    if entries:
+        from device_server.emulator.tiles.pipeline import phases
+
+        planner.stage_proportions = StageProportions.of_entries(entries, planner.stages,
+                                                                phases(module))
     planner.partials_types = _partials_types(partials_types)
     entry, params = planner.plan_entry()
     if planner.rep is not None:

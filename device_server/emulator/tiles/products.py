@@ -91,7 +91,7 @@ class ProductPlanning(PlannerState):
             problem = dataclasses.replace(problem, a_local=unmapped[0], b_local=unmapped[1])
         if self.partials_types.get(instr.opcode) == "half" and problem.floating and problem.itemsize <= 2:
             problem = dataclasses.replace(problem, partials_bytes=2)  # FP16 partials
-        plan: MatmulPlan = plan_matmul(problem, t, self.memory_proportions.get(instr.opcode))
+        plan: MatmulPlan = plan_matmul(problem, t, self.memory_proportion_of(instr))
         for v, fresh in zip(ops[:2], unmapped, strict=True):
             if fresh:
                 v.mapping = self.alloc.spread(v.elements, plan.tiles)

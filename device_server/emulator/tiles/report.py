@@ -65,6 +65,7 @@ from device_server.emulator.tiles.pipeline import (
 )
 from device_server.emulator.tiles.plan import ModulePlan, Step
 from device_server.emulator.tiles.planner import plan_module
+from device_server.emulator.tiles.proportions import StageProportions
 from device_server.emulator.tiles.recompute import Recomputation, again_cycles, checkpoint_makers
 from device_server.emulator.tiles.replication import (
     GCL_STEP_OVERHEAD_S,
@@ -624,7 +625,8 @@ def estimate_plan(plan: ModulePlan, program: str = "", pipeline: PipelineRun | N
         host_s = cyc.host_seconds(t, plan.host_bytes_in, plan.host_bytes_out)
         host_link: dict[str, Any] = {}
     else:
-        load = host_link_load(rep, plan.host_bytes_in, plan.host_bytes_out)
+        load = host_link_load(rep, plan.host_bytes_in, plan.host_bytes_out,
+                              device_seconds=device / t.clock_hz)  # prefetched
         host_s, host_link = load.seconds, load.to_dict()
     host_cycles = int(math.ceil(host_s * t.clock_hz))
     links = plan.entry.link_totals()
@@ -876,10 +878,13 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                     optimizer_state_sharding: bool = False,
                     memory_proportions: Mapping[str, float] | None = None,
                     partials_types: Mapping[str, str] | None = None,
+                    stage_memory_proportions: Iterable[tuple[str, int, str, float]] = (),
                     on_failure: str = "raise") -> Estimate:
     """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
     arguments; ``memory_proportions``: PopLibs' availableMemoryProportion of ``"dot"`` and
-    ``"convolution"`` plans; ``partials_types``: their partialsType, "float" or "half").
+    ``"convolution"`` plans; ``partials_types``: their partialsType, "float" or "half";
+    ``stage_memory_proportions``: (phase, stage, kind, proportion) entries of a pipeline's
+    ``PipelineStageOptions``, which replace ``memory_proportions`` in that pass of that stage).
 
     ``replicas`` copies of the program run at once on ``ipu_ids`` (default: the first
     ``replicas``) of ``system`` (a ``protocol.hardware.System``; None: ``plain_system`` IPUs
@@ -926,13 +931,17 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                            replication=rep if rep.system is not None else None,
                            implied_all_reduce_bytes=0 if run else implied_all_reduce_bytes,
                            stages=pipeline_stages if run else 1,
-                           memory_proportions=memory_proportions, partials_types=partials_types)
+                           memory_proportions=memory_proportions, partials_types=partials_types,
+                           stage_memory_proportions=stage_memory_proportions)
         est = estimate_plan(plan, module.name, run,
                             recomputation_of(module) if run is None and recomputation else None,
                             module)
         if memory_proportions:  # PopLibs' availableMemoryProportion the products were planned with
             est.context["available_memory_proportion"] = {
                 str(k): float(v) for k, v in sorted(memory_proportions.items())}
+        if stage_memory_proportions:  # PipelineStageOptions: per stage and pass
+            est.context["stage_available_memory_proportion"] = StageProportions.of_entries(
+                stage_memory_proportions, max(1, pipeline_stages)).context(pipeline_stages)
         half = sorted(k for k, v in (partials_types or {}).items() if str(v).lower() == "half")
         if half:
             est.context["half_partials"] = half

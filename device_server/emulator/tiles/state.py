@@ -42,6 +42,7 @@ from device_server.emulator.tiles.plan import (
     Value,
     value_leaves,
 )
+from device_server.emulator.tiles.proportions import StageProportions
 from device_server.emulator.tiles.replication import Replication
 from device_server.protocol import ir_pb2
 
@@ -86,6 +87,8 @@ class PlannerState:
         # opcode ("dot", "convolution") -> PopLibs' availableMemoryProportion for its plans
         # (plan_module's memory_proportions; an opcode not named: the preset's).
         self.memory_proportions: dict[str, float] = {}
+        # Per pass of a pipeline stage (PipelineStageOptions): replaces memory_proportions there.
+        self.stage_proportions = StageProportions()
         # Opcode -> PopLibs' partialsType of its products, "float" or "half" (plan_module's
         # partials_types; an opcode not named: "float").
         self.partials_types: dict[str, str] = {}
@@ -111,6 +114,13 @@ class PlannerState:
             self.code = self.stage_code[s]
             self.exch_code = self.stage_exch_code[s]
             self.codelets = self.stage_codelets[s]
+
+    def memory_proportion_of(self, instr: ir_pb2.Instruction) -> float | None:
+        """PopLibs' availableMemoryProportion ``instr`` (a dot or convolution) is planned with:
+        its stage's for its pass if one was given (``proportions.py``), else the program's for
+        its opcode, else None (the preset's)."""
+        own = self.stage_proportions.of(instr)
+        return own if own is not None else self.memory_proportions.get(instr.opcode)
 
     def mapping_of(self, buf: Buf) -> TileMapping:
         if buf.mapping is None:
