@@ -686,8 +686,10 @@ def _unet_case(case: dict[str, Any]) -> Plan:
         model = unet(dropout=0.5)
         if training:
             model.compile(optimizer=keras.optimizers.SGD(0.0024, momentum=0.99), loss=dice_ce_loss)
+    # Training: 4 stages, stage i on IPU i (set_pipeline_stages; its options per stage).
     options: dict[str, Any] = {"ipu_version": case["ipu"], "replicas": int(case["replicas"]),
-                               "available_memory_proportion": _amp(case, notes)}
+                               "available_memory_proportion": _amp(case, notes, [0, 1, 2, 3]
+                                                                   if training else None)}
     expressed = ["572x572x1 U-Net, valid convolutions, central-crop skips (Cropping2D)",
                  "FP16 weights and activations (float16 policy)"]
     if training:
@@ -783,7 +785,7 @@ def _gpt2_case(case: dict[str, Any]) -> Plan:
         _pipeline(model, stages, ipus, 1, schedules.Sequential)
     options = {"ipu_version": case["ipu"], "replicas": replicas,
                "system": _SYSTEM16[case["ipu"]] if replicas * case["ipus_per_replica"] == 16 else None,
-               "recomputation": training, "available_memory_proportion": _amp(case, notes),
+               "recomputation": training, "available_memory_proportion": _amp(case, notes, ipus),
                "label_spec": tf.TensorSpec([None, seq], tf.int32)}
     logits = seq * 50272 * 2
     notes += [f"LM head serialized x{other['embedding_serialization_factor']} over its output "

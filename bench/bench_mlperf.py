@@ -669,28 +669,17 @@ def _measured_pod(benchmark: str, version: str, systems: tuple[str, ...]) -> dic
 
 
 def _all_reduce_shares(est: Any) -> tuple[float, float]:
-    """The all-reduce's share of the time per weight update, and its GW-Links' part. A
-    pipelined estimate's step already spreads one update's all-reduce over its micro-batches
-    (its ``all_reduce_cycles`` / ``cycles`` is the share); a TrainingEstimate of a pipeline
-    divides by its accumulation again (``TrainingEstimate.all_reduce_share``), so the step's
-    are read. A pipelined step's all-reduce count per micro-batch is rounded (to 0 when the
-    micro-batches outnumber its all-reduces), which zeroes ``all_reduce_gw_cycles``: its GW-Link
-    part is then the bandwidth term alone, 2 (P - 1) / P x ``all_reduce_bytes`` / the GW-Link
-    stage's bytes/s (the GW steps' latency, 2 (P - 1) x 11 us per all-reduce, left out)."""
+    """The all-reduce's share of the time per weight update, and its GW-Links' part: a
+    TrainingEstimate's (which reads a pipelined step's figures as one micro-batch's share of
+    an update), or a step report's share of its call."""
     from tf_ipu.estimate import TrainingEstimate
 
-    if isinstance(est, TrainingEstimate) and not est.pipelined:
+    if isinstance(est, TrainingEstimate):
         return est.all_reduce_share, est.all_reduce_gw_share
     step = getattr(est, "step", est)
     if not step.cycles:
         return 0.0, 0.0
-    gw_cycles = step.all_reduce_gw_cycles
-    gw = (step.ring or {}).get("gw")
-    if not gw_cycles and gw and step.all_reduce_bytes:
-        p = len(gw["pods"])
-        gw_cycles = min(step.all_reduce_cycles, 2 * (p - 1) / p * step.all_reduce_bytes
-                        / gw["bytes_per_s"] * step.clock_hz)
-    return step.all_reduce_cycles / step.cycles, gw_cycles / step.cycles
+    return step.all_reduce_share, step.all_reduce_gw_cycles / step.cycles
 
 
 def _speedup_row(what: str, version: str, system: str, base: dict[str, Any], pod: dict[str, Any],

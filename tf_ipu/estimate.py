@@ -778,13 +778,24 @@ class TrainingEstimate:
 
     @property
     def all_reduce_cycles(self) -> float:
-        """The all-reduce's cycles per micro-batch: the step's over N."""
+        """The all-reduce's cycles per micro-batch: the step's over N (a pipelined step's
+        are already one micro-batch's share)."""
+        if self.pipelined:
+            return float(self.step.all_reduce_cycles)
         return self.step.all_reduce_cycles / self.gradient_accumulation_steps_per_replica
+
+    def _per_update(self, cycles: float) -> float:
+        """``cycles`` of the step as a share of the time per weight update (0..1): a
+        pipelined step's figures are one micro-batch's share of an update already."""
+        if self.cycles_per_update <= 0:
+            return 0.0
+        n = self.gradient_accumulation_steps_per_replica if self.pipelined else 1
+        return n * cycles / self.cycles_per_update
 
     @property
     def all_reduce_share(self) -> float:
         """The all-reduce's share of the time per weight update (0..1)."""
-        return self.step.all_reduce_cycles / self.cycles_per_update if self.cycles_per_update > 0 else 0.0
+        return self._per_update(self.step.all_reduce_cycles)
 
     @property
     def all_reduce_links(self) -> list[str]:
@@ -794,7 +805,7 @@ class TrainingEstimate:
     @property
     def all_reduce_gw_share(self) -> float:
         """The GW-Link part of the all-reduce's share of the time per weight update (0..1)."""
-        return self.step.all_reduce_gw_cycles / self.cycles_per_update if self.cycles_per_update > 0 else 0.0
+        return self._per_update(self.step.all_reduce_gw_cycles)
 
     @property
     def effective_batch(self) -> int:

@@ -304,8 +304,8 @@ class Estimate:
         all-reduce (replication.all_reduce_parts; for a pipeline, every stage's bytes on the
         first stage IPU's ring: an upper bound), at most ``all_reduce_cycles``."""
         gw = self.ring.get("gw") if self.ring else None
-        if not gw or not self.all_reduces:
-            return 0.0
+        if not gw or not (self.all_reduces or self.all_reduce_bytes):
+            return 0.0  # (a pipeline's count per micro-batch rounds to 0; its bytes do not)
         p = len(gw["pods"])
         seconds = (2 * (p - 1) / p * self.all_reduce_bytes / gw["bytes_per_s"]
                    + self.all_reduces * 2 * (p - 1) * gw["step_latency_s"])
