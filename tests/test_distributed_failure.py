@@ -233,7 +233,10 @@ def test_a_slow_instance_holding_its_gil_is_not_stuck(tmp_path):
     result, returned = _launch(tmp_path, "slow", str(slow))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    assert "failed" not in result.stderr and "stuck" not in out, out[-3000:]
+    # libevent inside mpirun may warn about a closed descriptor ("[warn] Epoll MOD(1) on fd
+    # 20 failed ... Bad file descriptor") as its jobs end: not the run's own words.
+    ours = [line for line in out.splitlines() if not line.startswith("[warn] ")]
+    assert not any("failed" in line or "stuck" in line for line in ours), out[-3000:]
     finished = _notes(tmp_path, "finished")
     assert set(finished) == {0, 1}
     slow_call = finished[1]["time"] - _notes(tmp_path, "failing")[1]["time"]
