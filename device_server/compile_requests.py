@@ -8,7 +8,7 @@ emulator's compile errors turned into the status the client sees.
     compile_module(...) raises --> compile_error: UNIMPLEMENTED, RESOURCE_EXHAUSTED,
                                    INVALID_ARGUMENT; INTERNAL only for the emulator's own bugs
 
-Used by ``DeviceService.compile`` (service.py) and by the Compile fuzz target
+Used by ``Programs.compile`` (programs.py) and by the Compile fuzz target
 (tests/fuzz/fuzz_compile.py), so both refuse the same requests the same way.
 """
 

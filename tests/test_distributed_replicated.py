@@ -421,3 +421,133 @@ def test_the_compared_digest_ignores_names_but_not_the_program():
     c = _module(2.0)
     c.computations[0].instructions[0].source_op = "sequential/dense/other_op"
     assert program_digest(a, "opts") != program_digest(c, "opts")
+
+
+def test_a_world_execution_waiting_behind_another_gives_up_at_its_own_stop(tmp_path):
+    """Server 0 holds a world execution that never ends by itself (a device loop without
+    end, on both servers); a second session's world program on server 0 waits for it and
+    gives up at its own run deadline (DEADLINE_EXCEEDED), or when its client cancels it,
+    naming the execution that holds the server; the first is then stopped, and both
+    servers still run world programs, their executions still matched."""
+    from tf_ipu.client import DeviceClient, VariableRef
+    from tf_ipu.errors import DeviceError
+
+    servers = World(2, 2, tmp_path / "servers")  # 2 IPUs each: two sessions on server 0
+    holders = [DeviceClient(address) for address in servers.addresses]
+    try:
+        never = np.int32(2**31 - 1)
+        held: list[object] = [None, None]
+
+        def hold(k: int) -> None:
+            client = holders[k]
+            try:
+                client.open_session()
+                client.attach(1)
+                exe = client.compile(steps_module(8, name="world_steps"),
+                                     instances=2).executable_id
+                client.write_variables({"w": np.zeros(8, np.float32)})
+                client.execute(exe, [VariableRef("w"), never, never], timeout=120)
+                held[k] = "not stopped"
+            except Exception as e:  # the test stops it below
+                held[k] = (e, client.read_variables(["w"])["w"])
+
+        threads = [threading.Thread(target=hold, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + 60
+        while servers.counters()[0]["world.executions"] < 1:  # server 0 holds it now
+            assert time.monotonic() < end and all(t.is_alive() for t in threads), held
+            time.sleep(0.1)
+
+        waiter = DeviceClient(servers.addresses[0])
+        try:
+            waiter.open_session()
+            waiter.attach(1)
+            exe = waiter.compile(_module(2.0), instances=2).executable_id
+            x = np.arange(1, 5, dtype=np.float32)
+            # (a) Its run deadline (0.5 s) passes while it waits.
+            started = time.monotonic()
+            with pytest.raises(DeviceError) as info:
+                waiter.execute(exe, [x], run_deadline=0.5, timeout=60)
+            waited = time.monotonic() - started
+            assert 0.5 <= waited < 3.0, waited
+            assert info.value.code == "DEADLINE_EXCEEDED", info.value
+            said = str(info.value)
+            assert "another world execution holds device server rank 0" in said, said
+            assert "Execute of executable" in said and "world execution 0" in said, said
+            assert " since " in said and "UTC" in said and "its run was stopped (" in said, said
+            # (b) Its client cancels it while it waits.
+            cancel = threading.Timer(0.5, waiter.cancel_running)
+            started = time.monotonic()
+            cancel.start()
+            with pytest.raises(DeviceError) as info:
+                waiter.execute(exe, [x], timeout=60)
+            waited = time.monotonic() - started
+            cancel.join()
+            assert 0.5 <= waited < 3.0, waited
+            assert info.value.code == "CANCELLED", info.value
+            assert "another world execution holds device server rank 0" in str(info.value)
+            assert all(t.is_alive() for t in threads), held  # the first still held it
+            counters = servers.counters()
+            assert counters[0]["world.run_waits_given_up"] == 2, counters[0]
+            assert counters[0]["world.executions"] == 1  # the waits were no executions
+        finally:
+            waiter.close()
+
+        # The first is stopped (by its client on server 0): both servers at the same step.
+        holders[0].cancel_running()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), held
+        (e0, w0), (e1, w1) = held  # type: ignore[misc]
+        assert "completed steps" in str(e0) and "completed steps" in str(e1), (e0, e1)
+        np.testing.assert_array_equal(w1, w0)
+
+        # Both servers still serve world programs, and their executions are still matched.
+        x = np.arange(1, 5, dtype=np.float32)
+        ok = _all_reduce_on_both(servers, [2.0, 2.0], [x, x * 4])
+        expected = (np.sqrt(x) * 2 + 0) + (np.sqrt(x * 4) * 2 + 1)
+        for r in ok:
+            assert isinstance(r, list), r
+            np.testing.assert_array_equal(r[0], expected)
+        counters = servers.counters()
+        assert [c["world.executions"] for c in counters] == [2, 2]
+        assert [c["world.broken"] for c in counters] == [0, 0]
+    finally:
+        for client in holders:
+            client.close()
+        servers.stop()
+
+
+def test_a_waiting_world_execution_stops_with_its_own_reason():
+    """``World``'s wait for its run lock alone (no MPI: the lock held by hand): the stop's
+    reason given by ``stopped()`` is the error's (a bare True reads as the deadline), the
+    wait ends within a slice of the stop, and the holder is named."""
+    from device_server.emulator.cancel import RunStopped
+    from device_server.emulator.world import RUN_LOCK_SLICE_SECONDS, _Holder
+    from device_server.emulator.world import World as ServerWorld
+
+    world = ServerWorld.__new__(ServerWorld)  # only what the wait reads
+    world.rank, world._run_lock, world.stats = 3, threading.Lock(), {"run_waits_given_up": 0}
+    world._run_lock.acquire()
+    world._holder = _Holder("Execute of executable abc", 0x1234, 7, time.time() - 5,
+                            time.monotonic() - 5)
+    for said, reason in (("cancelled", "cancelled"), ("shutdown", "shutdown"),
+                         ("session-closed", "session-closed"), (True, "deadline")):
+        stop_at = time.monotonic() + 0.3
+        started = time.monotonic()
+        with pytest.raises(RunStopped) as info:
+            world._acquire_run(0x5678, lambda said=said, at=stop_at:
+                               said if time.monotonic() > at else None)
+        assert 0.3 <= time.monotonic() - started < 0.3 + 4 * RUN_LOCK_SLICE_SECONDS + 0.5
+        assert info.value.reason == reason
+        said_text = str(info.value)
+        assert "another world execution holds device server rank 3" in said_text
+        assert "Execute of executable abc (program 0000000000001234, world execution 7)" in said_text
+        assert "program 0000000000005678" in said_text
+    assert world.stats["run_waits_given_up"] == 4
+    world._run_lock.release()
+    world._holder = None
+    # Free: taken at once, whatever stopped() says.
+    world._acquire_run(1, lambda: "cancelled")
+    world._run_lock.release()

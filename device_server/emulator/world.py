@@ -38,7 +38,11 @@ collective is started non-blocking and polled (a blocking MPI call spins its pro
 engine; many processes share few cores here). World collectives are serialized per server
 (one world execution at a time) and every one carries (program digest, execution number,
 collective number): servers that disagree raise an error naming the instances that differ,
-instead of waiting for each other or adding unrelated arrays.
+instead of waiting for each other or adding unrelated arrays. A world execution that finds
+another holding its server waits for it in short slices and gives up when its own run is
+stopped (deadline, cancel, session closed, shutdown): ``RunStopped``, naming the execution
+that holds the server and since when, which the service returns as that stop's status
+(DEADLINE_EXCEEDED for a deadline); it never got in, so it counts as no world execution.
 
 A failure of one server's replica (any error but an agreed stop) breaks the run: that
 server sends a notice (Isend, a fixed-size UTF-8 message) to every other server, whose
@@ -62,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from device_server.emulator.cancel import RunStopped
 from device_server.emulator.errors import ExecutionError
 
 #: Polling of a pending request: first sleep, growth factor, longest sleep (seconds).
@@ -72,6 +77,8 @@ _NOTICE_TAG = 2701
 #: A server whose own run was told to stop waits this long for the others to reach the
 #: collective it is at, then breaks the run (they may be slow, or gone).
 STOPPED_WAIT_SECONDS = 10.0
+#: A world execution waiting for another to leave this server checks its own stop this often.
+RUN_LOCK_SLICE_SECONDS = 0.05
 
 # Header fields (int64 each).
 _KIND, _DIGEST, _EXECUTION, _SEQ, _BYTES, _LOCAL, _VALUE, _RANK = range(8)
@@ -130,6 +137,18 @@ def stop_reason(code: int) -> str | None:
     return STOP_REASONS[code - 1] if 0 < code <= len(STOP_REASONS) else None
 
 
+@dataclass(frozen=True)
+class _Holder:
+    """The world execution that holds a server: its call, program, number, and since when
+    (``time.time()`` and ``time.monotonic()``)."""
+
+    what: str
+    digest: int
+    execution: int
+    wall: float
+    since: float
+
+
 class World:
     """The device servers of one run, as MPI ranks: server ``rank`` serves instance
     ``rank``.
@@ -152,6 +171,7 @@ class World:
             c.Set_errhandler(MPI.ERRORS_RETURN)  # an MPI error raises, never aborts the server
         self._mpi_lock = threading.RLock()
         self._run_lock = threading.Lock()  # one world execution at a time on this server
+        self._holder: _Holder | None = None  # the world execution that holds it
         self._broken: str | None = None
         self._executions = 0
         self._notice = np.zeros(NOTICE_BYTES, np.uint8)
@@ -161,7 +181,7 @@ class World:
         self._sent: list[tuple[Any, np.ndarray]] = []
         self.stats = {"executions": 0, "collectives": 0, "all_reduce_bytes_sent": 0,
                       "all_reduce_bytes_received": 0, "failures_sent": 0,
-                      "failures_received": 0}
+                      "failures_received": 0, "run_waits_given_up": 0}
 
     @classmethod
     def from_mpi(cls) -> World:
@@ -266,14 +286,51 @@ class World:
             stopped: Any = None) -> Iterator[WorldRun]:
         """One execution of the program of ``digest`` (``program_digest``) on this server's
         ``local_replicas`` replicas, joined with the same execution on every server:
-        checked at once (``begin``), serialized with the other world executions here."""
-        with self._run_lock:
+        checked at once (``begin``), serialized with the other world executions here.
+
+        ``stopped()``: whether this server's run was told to stop: its reason
+        (``StopToken.reason``: ``"deadline"``, ``"cancelled"``, ...), or a bool (True reads
+        as ``"deadline"``). While another world execution holds this server, the call waits
+        for it in slices of ``RUN_LOCK_SLICE_SECONDS`` and gives up (``RunStopped``, naming
+        the one that holds the server and since when) as soon as ``stopped()`` says so."""
+        self._acquire_run(digest, stopped)
+        try:
             self._check(what)
             run = WorldRun(self, digest, self._executions, local_replicas, what, stopped)
+            self._holder = _Holder(what, digest, self._executions, time.time(),
+                                   time.monotonic())
             self._executions += 1
             self.stats["executions"] += 1
             run.begin()
             yield run
+        finally:
+            self._holder = None
+            self._run_lock.release()
+
+    def _acquire_run(self, digest: int, stopped: Any) -> None:
+        """Takes the server's world-execution lock, or raises ``RunStopped`` once
+        ``stopped()`` says this call's run was stopped while another held it."""
+        started = time.monotonic()
+        while not self._run_lock.acquire(timeout=RUN_LOCK_SLICE_SECONDS):
+            said = stopped() if stopped is not None else None
+            if not said:
+                continue
+            if isinstance(said, str) and said in STOP_REASONS:
+                reason, why = said, said
+            else:  # a bare "stopped": its reason is not known here
+                reason, why = "deadline", "its deadline, a cancel, its session closed or a shutdown"
+            holder = self._holder
+            held = (f"{holder.what} (program {holder.digest & 0xffffffffffffffff:016x}, world "
+                    f"execution {holder.execution}) since "
+                    f"{time.strftime('%H:%M:%S', time.gmtime(holder.wall))} UTC "
+                    f"({time.monotonic() - holder.since:.1f} s)") if holder is not None \
+                else "an execution that is just ending"
+            self.stats["run_waits_given_up"] += 1
+            raise RunStopped(
+                f"not run: another world execution holds device server rank {self.rank} "
+                f"(one at a time on a server): {held}; this call (program "
+                f"{digest & 0xffffffffffffffff:016x}) waited {time.monotonic() - started:.1f} s "
+                f"for it, then its run was stopped ({why})", reason)
 
     def close(self) -> None:
         """Withdraws the posted failure receive (before MPI is finalized at exit)."""

@@ -61,7 +61,7 @@ def _compile(data: bytes) -> None:
     replicas = max(1, int(opts.replicas))
     needed = replicas * pipeline.get("ipus_per_replica", 1)
     if needed > IPUS:
-        return  # DeviceService._replication refuses it: INVALID_ARGUMENT
+        return  # Programs.replication (programs.py) refuses it: INVALID_ARGUMENT
     if needed > 1:
         replication = {"replicas": replicas, "ipu_ids": tuple(range(needed)),
                        "system": m["hardware"].plain_system(IPUS, "ipu2")}

@@ -12,7 +12,7 @@ make one), so the search reaches the record's checks instead of stopping at the 
 record or its estimate, which value of :data:`EXTREMES`), wrapped the same way: JSON
 mutations rarely keep the record parseable, these always do.
 
-Then, as ``DeviceService._load_from_disk`` and ``compile`` do: ``executable_from_record``
+Then, as ``Programs._load_from_disk`` and ``compile`` do: ``executable_from_record``
 (``ValueError``, ``TypeError`` and ``EmulatorError`` are expected: the service rejects the
 entry and compiles again), and for an accepted record the Compile reply (signature and
 ``_estimate``) and the estimate's report. Anything else raising is a finding (the service
@@ -135,7 +135,7 @@ def TestOneInput(data: bytes) -> None:  # noqa: N802 (atheris' spelling)
     try:
         exe = m["from_record"](module, m["target"], m["options"], record)
     except (ValueError, TypeError, m["EmulatorError"]):
-        return  # DeviceService._load_from_disk rejects the entry
+        return  # Programs._load_from_disk rejects the entry
     service = m["service"]
     try:
         reply = m["device_pb2"].CompileReply(
