@@ -30,7 +30,9 @@ if both halves are right. Cases are not tuned: wrong verdicts are reported as th
     FIT_CASES=bert-large .venv/bin/python bench/run.py --only fit_cases --results /tmp/x
                                                      (cases whose id is or contains one given)
 
-The default run estimates every buildable case; on a 2-core machine that is over the part's
+The cases are estimated side by side in worker processes (``estimate_cases``, bench/parallel.py:
+``BENCH_JOBS``, default one per CPU and 6 GB available; ``BENCH_JOBS=1``: in this process),
+with the same rows in the same order. The default run estimates every buildable case; on a 2-core machine that is over the part's
 8-minute budget because of the seven BERT-Large pipelines (about a minute each), so ``--quick``
 leaves those out (``SLOW``).
 """
@@ -754,14 +756,15 @@ def _gpt2_case(case: dict[str, Any]) -> Plan:
     """Graphcore's PopTorch GPT-2 (``tf_ipu.models.gpt2``, vocabulary 50272, FP16 with FP16
     attention probabilities, tied LM head): training pipelined with a stage per BeginBlock
     (``AutoStage.AutoIncrement``: wte, wpe, each decoder layer, the LM head; IPUs from
-    ``layers_per_ipu``), a checkpoint after every layer, the loss serialized over 128-token
+    ``layers_per_ipu``), consecutive blocks on one IPU merged into one stage as PopTorch
+    merges them (``merge_consecutive_stages``), a checkpoint after every layer, the loss serialized over 128-token
     chunks in FP16, AdamW with its state offloaded and sharded; or inference
     (``ShardedExecution``: the same stages one after another, the Sequential schedule)."""
     import keras
     import tensorflow as tf
 
     import tf_ipu
-    from tf_ipu.models.gpt2 import gpt2, gpt2_pipeline_stages, lm_loss
+    from tf_ipu.models.gpt2 import gpt2, gpt2_pipeline_stages, lm_loss, merge_consecutive_stages
 
     schedules, modes = _modes()
     other, pipe, notes = case["other_options"], case["pipeline"], []
@@ -774,6 +777,8 @@ def _gpt2_case(case: dict[str, Any]) -> Plan:
             model.compile(optimizer=keras.optimizers.AdamW(1.5e-4),
                           loss=lm_loss(serialized_seq_len=128, dtype="float16"))
     stages, ipus = gpt2_pipeline_stages(model, pipe["layers_per_ipu"])
+    if training:  # PipelinedExecution: one stage per change of IPU
+        stages, ipus = merge_consecutive_stages(stages, ipus)
     offload = str(case["offload"].get("optimizer_state_offchip", "")).startswith("True")
     sharding = bool(case["offload"].get("replicated_tensor_sharding"))
     if training:
@@ -840,13 +845,12 @@ def _efficientnet_gn_case(case: dict[str, Any]) -> Plan:
                "recomputation": True, "available_memory_proportion": _amp(case, notes)}
     notes += ["exchange memory target 'memory' (not modelled)",
               "mixup / cutmix on the IPU, label smoothing 0.1 (no large tensors)",
-              "precision: Keras's GroupNormalization upcasts FP16 activations to FP32 for the "
-              "whole normalization (keras/src/layers/normalization/group_normalization.py), so "
-              "the estimate holds FP32 copies; the application's torch.nn.GroupNorm on the "
-              ".half() model (models/model_manipulator.py) keeps them FP16"]
+              "group norm: PopLibs' strided channel grouping (enable_fast_groupnorm) groups other "
+              "channels than HalfGroupNormalization's contiguous groups (same sizes)"]
     capture, after = _on_chip_sharding_note(replicas)
     return Plan(model, int(case["micro_batch"]), True, options, "float16",
                 expressed=["EfficientNet-B4 380x380, expand 4, group dim 16, GroupNorm(4)",
+                           "group norms on FP16 activations with FP32 statistics (HalfGroupNormalization)",
                            "8-bit images (uint8 input), normalized on the IPU",
                            f"stage 1 from {first}", f"checkpoints after residual adds {checkpoints}",
                            "RMSprop with momentum (two slots), offload False"],
@@ -856,12 +860,10 @@ def _efficientnet_gn_case(case: dict[str, Any]) -> Plan:
 def _poplar_tut4(case: dict[str, Any]) -> Plan:
     """The Poplar profiling tutorial's enlarged program as TensorFlow: three FP32 variables of
     its shapes (m1 [9000, 7500], m2 [7500, 300], m3 [300, 200]) and ``(m1 m2) m3``, inference
-    on one IPU2 (the tutorial's profile shows a 1472-tile target). The arithmetic is the
-    tutorial's; the variables' layout is not: tf_ipu lays a matmul's variable out as the
-    matmul wants it, where the C++ program maps each variable linearly over the tiles
-    (``poputil::mapTensorLinearly``) and ``poplin::matMul`` must then rearrange m1 into its
-    own layout, a second copy of m1 while it runs. The sizes of that copy on a tile are
-    named beside the verdict."""
+    on one IPU2 (the tutorial's profile shows a 1472-tile target), with the variables mapped
+    as the C++ program maps them: ``variable_mapping="linear"`` (``poputil::mapTensorLinearly``;
+    poplin then copies an operand into its matmul's layout where its rules say so,
+    docs/tile_model.md "Memory per tile")."""
     import keras
     from keras import ops
 
@@ -885,20 +887,11 @@ def _poplar_tut4(case: dict[str, Any]) -> Plan:
     with tf_ipu.IPUStrategy().scope():
         x = keras.Input((1,), name="unused")
         model = keras.Model(x, Tut4(name="tut4")(x), name="poplar_tut4")
-    m1 = 4 * shapes["m1"][0] * shapes["m1"][1]
-
-    def after(est: Any, found: Any) -> list[str]:
-        tiles = _TILES[case["ipu"]]
-        copy = m1 // tiles
-        step = getattr(est, "step", est)
-        return [f"linear variable mapping (mapTensorLinearly): poplin rearranges m1 ({m1:,} B) into "
-                f"the matmul's layout, a second copy of about {copy:,} B a tile while m4 is made: "
-                f"with it the peak would be about {est.peak_tile_bytes + copy:,} B against "
-                f"{int(step.tile_bytes_limit):,} B"]
-
-    return Plan(model, 1, False, {"ipu_version": case["ipu"]}, "float32",
-                expressed=["FP32 variables m1, m2, m3 of the tutorial's shapes", "m5 = (m1 m2) m3"],
-                unexpressed=[], capture=None, after=after)
+    return Plan(model, 1, False, {"ipu_version": case["ipu"], "variable_mapping": "linear"}, "float32",
+                expressed=["FP32 variables m1, m2, m3 of the tutorial's shapes", "m5 = (m1 m2) m3",
+                           "variables mapped linearly (variable_mapping='linear')"],
+                unexpressed=["memory gaps (reserved banks, which the tutorial says can push a "
+                             "program out of memory) are not modelled"], capture=None)
 
 
 def _builder(case: dict[str, Any]) -> Callable[[dict[str, Any]], Plan] | None:
@@ -1111,6 +1104,62 @@ def score_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def run_case_with(case: dict[str, Any],
+                  shared: dict[str, tuple[Any, dict[str, list[Any]]]]) -> dict[str, Any]:
+    """``run_case`` in a worker process, given the estimates bench_mlperf made earlier in the
+    parent (``bench_mlperf.SHARED``): a case they cover is not estimated again."""
+    if shared:
+        from bench import bench_mlperf
+
+        bench_mlperf.SHARED.update(shared)
+    return run_case(case)
+
+
+def _previous_seconds(results: str = os.path.join(os.path.dirname(CASES_PATH), "results")
+                      ) -> dict[str, tuple[float, float]]:
+    """Each case's seconds to build and to estimate in the saved runs (bench/results/
+    fit_cases*.json, the latest run of each case), to start the longest first."""
+    saved = []
+    for name in os.listdir(results) if os.path.isdir(results) else []:
+        if name.startswith("fit_cases") and name.endswith(".json"):
+            try:
+                with open(os.path.join(results, name)) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            saved.append((str(record.get("date", "")), record.get("rows") or []))
+    out = {}
+    for _, rows in sorted(saved, key=lambda s: s[0]):
+        out.update({r["id"]: (float(r.get("build_seconds") or 0), float(r.get("seconds") or 0))
+                    for r in rows if isinstance(r, dict) and "id" in r})
+    return out
+
+
+def estimate_cases(cases: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Each case's row (``run_case``), in the cases' order: in this process, or in worker
+    processes side by side (``bench.parallel``: ``BENCH_JOBS``, the CPUs and the memory
+    available). A worker is given bench_mlperf's estimates made earlier in this process for
+    the cases built by ``_bert_mlperf`` (``make bench`` runs mlperf first): those cases are
+    still estimated only once."""
+    from bench import parallel
+
+    jobs, why = parallel.workers(len(cases))
+    print(f"  {jobs} worker process{'es' if jobs > 1 else ' (in this process)'}: {why}")
+    if jobs <= 1:
+        for case in cases:
+            yield run_case(case)
+        return
+    mlperf = sys.modules.get("bench.bench_mlperf")
+    shared = dict(mlperf.SHARED) if mlperf is not None else {}
+    before = _previous_seconds()
+    given = [shared if _builder(case) is _bert_mlperf else {} for case in cases]
+    calls = [(__name__ if __name__ != "__main__" else "bench.bench_fit_cases", "run_case_with",
+              (case, mine)) for case, mine in zip(cases, given, strict=True)]
+    cost = [sum(before.get(case["id"], (0.0, 0.0))[:1 if mine else 2])  # shared: built only
+            for case, mine in zip(cases, given, strict=True)]
+    yield from parallel.run(calls, jobs, cost)
+
+
 def main(quick: bool = False, only: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Estimates every case (``quick``: not the SLOW ones), prints the table and the scores;
     returns the rows, then a summary row."""
@@ -1126,8 +1175,7 @@ def main(quick: bool = False, only: Sequence[str] | None = None) -> list[dict[st
           f"), bench/fit_cases.json; fits = peak tile <= its SRAM")
     t0 = time.perf_counter()
     rows = []
-    for case in cases:
-        row = run_case(case)
+    for row in estimate_cases(cases):
         rows.append(row)
         detail = (f"{row['peak_tile_bytes']:,} B of {row['capacity_bytes']:,}" if row.get("built")
                   else row.get("reason") or row.get("error", ""))

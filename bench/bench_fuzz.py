@@ -8,7 +8,12 @@ INTERNAL answers (every one a bug: bad input gets INVALID_ARGUMENT or the precis
 
     .venv/bin/python bench/run.py --only fuzz [--quick]     # --quick: 100,000 requests
 
-A full run takes about 23 minutes on 2 shared cores (about 720 requests/s).
+A full run takes about 29 minutes on 2 shared cores (about 580 requests/s: bench/results/
+fuzz.json, the record of issue 25). ``make bench`` (bench/run.py without ``--only``) runs the
+quick count (``run.SEQUENCE_QUICK``; saved as fuzz-quick.json, the record left as it is): the
+client is one seeded stream of mutants against a server process of its own, so the two
+already take both cores of the machine, and a second client would neither finish sooner on
+2 cores nor send the same requests as the record's seed.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ span hosts and gateways). Each is estimated with the configuration its submissio
 
     ResNet-50 v1.5: 16 replicas of one IPU, FP16 with FP16 partials, 8-bit images decoded on
         the IPU (eight_bit_io), micro-batch and accumulation from the log (global batch /
-        (16 x accumulation)); SGD with momentum for the update (v1.1 and v2.0 used LARS,
-        whose per-layer norms add little to the update).
+        (16 x accumulation)); the round's optimizer (``_RESNET_OPTIMIZER``): SGD with
+        momentum (v1.0), LARS (v1.1, v2.0: ``tf_ipu.optimizers.LARS``, per-layer norms).
     BERT-Large phase 2, sequence 512, packed rows (about 2 sequences each), LAMB, FP16,
     the heads in a final pipeline stage on IPU 0, recomputation (PopART's
     RecomputationType.Pipeline: RecomputeAndBackpropagateInterleaved, Grouped) from the
@@ -45,6 +45,10 @@ span hosts and gateways). Each is estimated with the configuration its submissio
     evaluations are excluded).
 
     .venv/bin/python bench/run.py --only mlperf
+
+The runs (the ResNet-50 ones together, each BERT-Large one apart) and, below, the pods'
+rounds are estimated side by side in worker processes (bench/parallel.py, ``BENCH_JOBS``;
+``BENCH_JOBS=1``: in this process), with the same rows in the same order.
 
 Pod64 and larger (``pods_main``; ``--only mlperf_pods``, ``--quick``: ResNet-50 only): the
 closed-division runs on IPU-POD64/128/256 and Bow Pod64/128/256 (never fitted), each at the
@@ -192,15 +196,33 @@ _RESNET_SPLITS = ("conv2_block1_out", "conv2_block3_out", "conv3_block1_out", "c
                   "conv4_block1_out", "conv4_block4_out")
 #: availableMemoryProportion of the convolutions (configs.yml; matmuls keep Poplar's default).
 _RESNET_CONV_AMP = 0.15
+#: Each round's ResNet-50 optimizer (configs.yml): v1.0's ``mk2_resnet50_mlperf_pod*_bs20``
+#: set ``optimiser: momentum``; v1.1's and v2.0's ``mk2_resnet50_mlperf_pod*_lars`` set
+#: ``optimiser: LARS`` (momentum 0.9, lars_weight_decay 5e-5, train.py's eeta 0.001, epsilon 0,
+#: skip list beta, gamma, bias).
+_RESNET_OPTIMIZER = {"v1.0": "momentum", "v1.1": "lars", "v2.0": "lars"}
 
 
-def _resnet50(accumulation: int) -> Any:
+def _resnet_optimizer(name: str) -> Any:
+    """The optimizer ``_RESNET_OPTIMIZER`` names (the learning rate: v1.1's Pod16 config's)."""
+    import keras
+
+    if name == "lars":
+        from tf_ipu.optimizers import LARS
+
+        return LARS(10.72, momentum=0.9, weight_decay=5e-5, eeta=0.001, epsilon=0.0)
+    if name == "momentum":
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+    raise ValueError(f"ResNet-50 optimizer {name!r}: expected one of {sorted(set(_RESNET_OPTIMIZER.values()))}")
+
+
+def _resnet50(accumulation: int, optimizer: str = "momentum") -> Any:
     """ResNet-50 as the submissions ran it: 8-bit images decoded on the IPU, a pipeline of 7
     stages on one IPU (``pipeline: True``, ``shards: 1``, Sequential) with recomputation
     (``enable_recomputation``; Auto resolves to RecomputeAndBackpropagateInterleaved for the
     Sequential schedule), the accumulation as the pipeline's. Under a float16 policy its batch
     norms keep the FP16 activations in FP16 (``tf_ipu.models.HalfBatchNormalization``), as the
-    submissions' fused batch norm does."""
+    submissions' fused batch norm does. ``optimizer``: the round's (``_RESNET_OPTIMIZER``)."""
     import keras
 
     import tf_ipu
@@ -214,8 +236,7 @@ def _resnet50(accumulation: int) -> Any:
         model = keras.Model(images, net.output, name="resnet50_mlperf")
         if keras.mixed_precision.global_policy().compute_dtype == "float16":
             model = half_batch_norm(model)  # the submissions' fused batch norm on FP16 activations
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                      loss="sparse_categorical_crossentropy")
+        model.compile(optimizer=_resnet_optimizer(optimizer), loss="sparse_categorical_crossentropy")
         stages, stage = [], 0
         for a in model.get_pipeline_stage_assignment():
             stages.append(stage)
@@ -357,8 +378,9 @@ def _bert(placement: str, micro_batches: int, offload: bool | None, *, vocab: in
 #: arguments, estimated with the same options. Each is estimated once: the per-step Estimate
 #: (what ``tf_ipu.estimate`` returns for a pipelined program without ``steps``; this bench's
 #: TrainingEstimate wraps it unchanged) and the checkpoint stash recorded while planning it,
-#: kept under ``shared_key``. Nothing is shared across processes or between different
-#: arguments or options.
+#: kept under ``shared_key``. Nothing is shared between different arguments or options; a
+#: worker process (``bench.parallel``) returns its entry to the parent (``bert_row_task``),
+#: which hands it to the worker estimating the fit case (``bench_fit_cases.estimate_cases``).
 _BUILT: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 SHARED: dict[str, tuple[Any, dict[str, list[Any]]]] = {}
 
@@ -414,7 +436,8 @@ def _resnet_rows() -> list[dict[str, Any]]:
         if (chip, micro, accumulation) not in planned:
             with _capturing() as captured[chip, micro, accumulation]:
                 planned[chip, micro, accumulation] = tf_ipu.estimate(
-                    _resnet50(accumulation), micro, training=True, ipu_version=chip, replicas=16,
+                    _resnet50(accumulation, _RESNET_OPTIMIZER[version]), micro, training=True,
+                    ipu_version=chip, replicas=16,
                     system=system, recomputation=True, partials_type="half",  # enable_half_partials
                     available_memory_proportion={"convolution": _RESNET_CONV_AMP})
         est = planned[chip, micro, accumulation]
@@ -489,64 +512,67 @@ def _bert_amp(run: _BertRun) -> Any:
     return [{"matmul": run.amp_per_ipu[ipu]} for ipu in _bert_layout(run.placement).ipus]
 
 
-def _bert_rows() -> list[dict[str, Any]]:
+def _amp_text(run: Any) -> str:
+    """A run's matmul availableMemoryProportion as its config sets it (one, or one per IPU)."""
+    return ("/".join(f"{a:g}" for a in run.amp_per_ipu) + " per IPU" if run.amp_per_ipu
+            else f"{run.amp:g}")
+
+
+def _bert_row(run: _BertRun) -> dict[str, Any]:
+    """``run`` estimated and printed: its row; its estimate kept in ``SHARED``."""
     import tf_ipu
 
-    rows = []
-    for run in _BERT:
-        system, names = _POD16[run.chip]
-        m = _measured("bert", run.version, names)
-        t0 = time.perf_counter()
-        model = _bert(run.placement, run.accumulation, run.offload, vocab=run.vocab,
-                      sharding=run.sharding, checkpoints=True)
-        options = {"ipu_version": run.chip, "replicas": run.replicas, "system": system,
-                   "recomputation": True, "available_memory_proportion": _bert_amp(run),
-                   "partials_type": "half"}  # enable_half_partials
-        with _capturing() as captured, _checkpoint_stash() as stashed:
-            est = tf_ipu.estimate(model, run.micro, training=True, steps=1, **options)
-        key = shared_key(model, run.micro, True, options)
-        if key is not None:
-            SHARED[key] = (getattr(est, "step", est), stashed)
-        tput = est.throughput * SEQUENCES_PER_ROW  # rows/s -> sequences/s
-        ttt = m["trained"] / tput
-        amp_text = ("/".join(f"{a:g}" for a in run.amp_per_ipu) + " per IPU"
-                    if run.amp_per_ipu else f"{run.amp:g}")
-        config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
-                  f"rows x {run.accumulation} micro-batches, matmul availableMemoryProportion "
-                  f"{amp_text}, optimizer state {'offloaded' if run.offload else 'on chip'}"
-                  f"{', sharded' if run.sharding else ''}, checkpoints as submitted, FP16 "
-                  f"attention probabilities, half partials, {m['trained']:,.0f} sequences ({run.path})")
-        row = _ratio_row("BERT-Large", run.version, run.chip, m, tput, est, ttt, config,
-                         time.perf_counter() - t0, captured)
-        verdict = ("fits" if est.fits else "within the margin" if est.within_margin
-                   else "does not fit")
-        print(f"    peak tile {est.peak_tile_bytes:,} B (tile {est.peak_tile} of IPU "
-              f"{est.peak_ipu}): {verdict} ({est.tile_bytes_limit:,} B a tile, margin "
-              f"{est.margin_bytes:,} B)")
-        row.update({"peak_ipu": int(est.peak_ipu), "peak_tile": int(est.peak_tile),
-                    "within_margin": bool(est.within_margin), "margin_bytes": int(est.margin_bytes),
-                    "verdict": verdict, "matmul_available_memory_proportion":
-                        list(run.amp_per_ipu) or run.amp})
-        if run.version == "v2.0" and "checkpoints" in stashed:
-            saved = _unexpressed(est, stashed, run.replicas)
-            where = f"on tile {est.peak_tile} of IPU {est.peak_ipu}"
-            notes = [f"not expressible: FP8 activation checkpoints, would save {saved['fp8']:,} B "
-                     f"{where}",
-                     f"not expressible: optimizer state sharded on chip over {run.replicas} "
-                     f"replicas, would save {saved['sharding']:,} B {where}"]
-            over = est.peak_tile_bytes - est.tile_bytes_limit
-            for note in notes:
-                print(f"    {note}")
-            if over > 0:
-                both = saved["fp8"] + saved["sharding"]
-                print(f"    the excess is {over:,} B: FP8 checkpoints alone "
-                      f"{'account' if saved['fp8'] >= over else 'do not account'} for it; with "
-                      f"the sharding ({both:,} B) it is "
-                      f"{'accounted for' if both >= over else 'not accounted for'}")
-            row.update({"not_expressible": notes, "fp8_checkpoint_saving_bytes": saved["fp8"],
-                        "on_chip_sharding_saving_bytes": saved["sharding"]})
-        rows.append(row)
-    return rows
+    system, names = _POD16[run.chip]
+    m = _measured("bert", run.version, names)
+    t0 = time.perf_counter()
+    model = _bert(run.placement, run.accumulation, run.offload, vocab=run.vocab,
+                  sharding=run.sharding, checkpoints=True)
+    options = {"ipu_version": run.chip, "replicas": run.replicas, "system": system,
+               "recomputation": True, "available_memory_proportion": _bert_amp(run),
+               "partials_type": "half"}  # enable_half_partials
+    with _capturing() as captured, _checkpoint_stash() as stashed:
+        est = tf_ipu.estimate(model, run.micro, training=True, steps=1, **options)
+    key = shared_key(model, run.micro, True, options)
+    if key is not None:
+        SHARED[key] = (getattr(est, "step", est), stashed)
+    tput = est.throughput * SEQUENCES_PER_ROW  # rows/s -> sequences/s
+    ttt = m["trained"] / tput
+    amp_text = _amp_text(run)
+    config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
+              f"rows x {run.accumulation} micro-batches, matmul availableMemoryProportion "
+              f"{amp_text}, optimizer state {'offloaded' if run.offload else 'on chip'}"
+              f"{', sharded' if run.sharding else ''}, checkpoints as submitted, FP16 "
+              f"attention probabilities, half partials, {m['trained']:,.0f} sequences ({run.path})")
+    row = _ratio_row("BERT-Large", run.version, run.chip, m, tput, est, ttt, config,
+                     time.perf_counter() - t0, captured)
+    verdict = ("fits" if est.fits else "within the margin" if est.within_margin
+               else "does not fit")
+    print(f"    peak tile {est.peak_tile_bytes:,} B (tile {est.peak_tile} of IPU "
+          f"{est.peak_ipu}): {verdict} ({est.tile_bytes_limit:,} B a tile, margin "
+          f"{est.margin_bytes:,} B)")
+    row.update({"peak_ipu": int(est.peak_ipu), "peak_tile": int(est.peak_tile),
+                "within_margin": bool(est.within_margin), "margin_bytes": int(est.margin_bytes),
+                "verdict": verdict, "matmul_available_memory_proportion":
+                    list(run.amp_per_ipu) or run.amp})
+    if run.version == "v2.0" and "checkpoints" in stashed:
+        saved = _unexpressed(est, stashed, run.replicas)
+        where = f"on tile {est.peak_tile} of IPU {est.peak_ipu}"
+        notes = [f"not expressible: FP8 activation checkpoints, would save {saved['fp8']:,} B "
+                 f"{where}",
+                 f"not expressible: optimizer state sharded on chip over {run.replicas} "
+                 f"replicas, would save {saved['sharding']:,} B {where}"]
+        over = est.peak_tile_bytes - est.tile_bytes_limit
+        for note in notes:
+            print(f"    {note}")
+        if over > 0:
+            both = saved["fp8"] + saved["sharding"]
+            print(f"    the excess is {over:,} B: FP8 checkpoints alone "
+                  f"{'account' if saved['fp8'] >= over else 'do not account'} for it; with "
+                  f"the sharding ({both:,} B) it is "
+                  f"{'accounted for' if both >= over else 'not accounted for'}")
+        row.update({"not_expressible": notes, "fp8_checkpoint_saving_bytes": saved["fp8"],
+                    "on_chip_sharding_saving_bytes": saved["sharding"]})
+    return row
 
 
 # ---- the larger pods (``python bench/run.py --only mlperf_pods``) --------------------------------
@@ -738,13 +764,14 @@ def _resnet_pod_rows() -> list[dict[str, Any]]:
     models: dict[str, Any] = {}
     planned: dict[tuple[Any, ...], Any] = {}
 
-    def est(chip: str, system: str, replicas: int, micro: int, accumulation: int) -> Any:
-        key = (chip, system, replicas, micro, accumulation)
+    def est(chip: str, system: str, replicas: int, micro: int, accumulation: int,
+            optimizer: str) -> Any:
+        key = (chip, system, replicas, micro, accumulation, optimizer)
         if key not in planned:
-            if "model" not in models:
-                models["model"] = _resnet50(accumulation)
+            if optimizer not in models:
+                models[optimizer] = _resnet50(accumulation, optimizer)
             planned[key] = tf_ipu.estimate(
-                _with_accumulation(models["model"], accumulation), micro, training=True,
+                _with_accumulation(models[optimizer], accumulation), micro, training=True,
                 ipu_version=chip, replicas=replicas,
                 system=system, recomputation=True, partials_type="half",
                 available_memory_proportion={"convolution": _RESNET_CONV_AMP})
@@ -758,12 +785,12 @@ def _resnet_pod_rows() -> list[dict[str, Any]]:
             pod = _measured_pod("resnet", version, names)
             t0 = time.perf_counter()
             b = est(chip, base_system, int(base["n_devices"]), int(base["micro_batch"]),
-                    int(base["accumulation"]))
+                    int(base["accumulation"]), _RESNET_OPTIMIZER[version])
             micro, accumulation, replicas = int(pod["micro_batch"]), int(pod["accumulation"]), int(pod["n_devices"])
             if replicas * micro * accumulation != pod["global_batch_size"]:
                 raise RuntimeError(f"ResNet-50 {version} {system}: {replicas} x {micro} x {accumulation} "
                                    f"is not the log's global batch {pod['global_batch_size']}")
-            e = est(chip, system, replicas, micro, accumulation)
+            e = est(chip, system, replicas, micro, accumulation, _RESNET_OPTIMIZER[version])
             config = (f"{replicas} replicas x micro-batch {micro} x {accumulation} accumulated "
                       f"(global batch {pod['global_batch_size']:,}, {pod['n_hosts']} host(s)); "
                       f"Pod16: {base['n_devices']} x {int(base['micro_batch'])} x "
@@ -798,7 +825,7 @@ def _with_accumulation(model: Any, accumulation: int) -> Any:
 def _bert_pod_estimate(models: dict[tuple[Any, ...], Any], chip: str, placement: str, vocab: int,
                        offload: bool | None, sharding: bool, amp: Any, micro: int,
                        accumulation: int, replicas: int, system: str) -> Any:
-    """BERT-Large with ``_bert_rows``' options (``placement``'s pipeline, the submission's
+    """BERT-Large with ``_bert_row``'s options (``placement``'s pipeline, the submission's
     checkpoints, FP16 attention probabilities, half partials; ``amp``: ``_bert_amp``'s), one
     model per program."""
     import tf_ipu
@@ -813,18 +840,19 @@ def _bert_pod_estimate(models: dict[tuple[Any, ...], Any], chip: str, placement:
                            available_memory_proportion=amp, partials_type="half")
 
 
-def _bert_pod_rows() -> list[dict[str, Any]]:
-    """BERT-Large on each larger pod (``_BERT_PODS``: each submission's own configuration) and
-    on its round's Pod16 (``_BERT``); the logs' IPUs, global batch and accumulation are checked
-    against the configurations. A program is planned once (``_plan_once``): v1.1's Pod64 and
-    Pod128 share one, v2.0's three pods another."""
+def _bert_pod_rows(version: str) -> list[dict[str, Any]]:
+    """BERT-Large on each larger pod of round ``version`` (``_BERT_PODS``: each submission's
+    own configuration) and on the round's Pod16 (``_BERT``); the logs' IPUs, global batch and
+    accumulation are checked against the configurations. A program is planned once
+    (``_plan_once``): v1.1's Pod64 and Pod128 share one, v2.0's three pods another (no two
+    rounds share a model, so each round is estimated apart: ``pods_main``)."""
     from tf_ipu.estimate import _lowerings
 
     rows: list[dict[str, Any]] = []
     models: dict[tuple[Any, ...], Any] = {}
     baselines: dict[str, tuple[Any, float]] = {}
     with _lowerings(), _plan_once() as counts:
-        for run in _BERT_PODS:
+        for run in (r for r in _BERT_PODS if r.version == version):
             base_run = next(r for r in _BERT if r.version == run.version)
             base_system, base_names = _POD16[run.chip]
             base = _measured_pod("bert", run.version, base_names)
@@ -848,8 +876,7 @@ def _bert_pod_rows() -> list[dict[str, Any]]:
             e = _bert_pod_estimate(models, run.chip, run.placement, run.vocab, False, False,
                                    _bert_amp(run), run.micro, run.accumulation, run.replicas,
                                    run.system)
-            amp = ("/".join(f"{a:g}" for a in run.amp_per_ipu) + " per IPU" if run.amp_per_ipu
-                   else f"{run.amp:g}")
+            amp = _amp_text(run)
             config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
                       f"rows x {run.accumulation} micro-batches (global batch "
                       f"{pod['global_batch_size']:,} sequences, {pod['n_hosts']} host(s)), matmul "
@@ -902,22 +929,84 @@ def per_update_split(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def pods_main(quick: bool = False) -> list[dict[str, Any]]:
-    """The larger pods' runs estimated beside the measured ones: the speed-up from Pod16 to
-    each pod, estimated and measured (``--quick``: ResNet-50 only)."""
+# ---- the runs estimated side by side (bench.parallel: BENCH_JOBS, the CPUs, the memory) ----------
+_MODULE = "bench.bench_mlperf"   # the workers import this module by name
+
+
+def _in_fp16(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` under Keras' float16 policy (the submissions' FP16), float32 after."""
     import keras
 
+    keras.mixed_precision.set_global_policy("float16")
+    try:
+        return fn(*args)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def resnet_rows_task() -> list[dict[str, Any]]:
+    """The three ResNet-50 Pod16 runs' rows (one call: they share plans)."""
+    return _in_fp16(_resnet_rows)
+
+
+def bert_row_task(index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``_BERT[index]``'s row and the ``SHARED`` entry its estimate made (a worker returns it
+    to the parent, where bench_fit_cases looks for it)."""
+    before = set(SHARED)
+    row = _in_fp16(_bert_row, _BERT[index])
+    return row, {k: v for k, v in SHARED.items() if k not in before}
+
+
+def resnet_pod_rows_task() -> list[dict[str, Any]]:
+    """The ResNet-50 pods' rows (one call: one model, planned once per chip)."""
+    return _in_fp16(_resnet_pod_rows)
+
+
+def bert_pod_rows_task(version: str) -> list[dict[str, Any]]:
+    """Round ``version``'s BERT-Large pods' rows."""
+    return _in_fp16(_bert_pod_rows, version)
+
+
+def cumulative_plan_counts(groups: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of groups each estimated within its own ``_plan_once``, their ``planned_once``
+    counts as one ``_plan_once`` around all of them, one group after another, would have
+    counted (the groups share no program: each adds its own plans and reuses)."""
+    rows, plans, reused = [], 0, 0
+    for group in groups:
+        last = {"plans": 0, "reused": 0}
+        for row in group:
+            last = row["planned_once"]
+            row["planned_once"] = {"plans": last["plans"] + plans,
+                                   "reused": last["reused"] + reused}
+            rows.append(row)
+        plans, reused = plans + last["plans"], reused + last["reused"]
+    return rows
+
+
+def _side_by_side(calls: list[Any], cost: list[float]) -> list[Any]:
+    """``bench.parallel.run`` of ``calls`` with the workers it can have, said in the output."""
+    from bench import parallel
+
+    jobs, why = parallel.workers(len(calls))
+    print(f"  {len(calls)} independent estimate call{'s' if len(calls) > 1 else ''}, {jobs} worker process"
+          f"{'es' if jobs > 1 else ' (in this process)'}: {why}", flush=True)
+    return list(parallel.run(calls, jobs, cost))
+
+
+def pods_main(quick: bool = False) -> list[dict[str, Any]]:
+    """The larger pods' runs estimated beside the measured ones: the speed-up from Pod16 to
+    each pod, estimated and measured (``--quick``: ResNet-50 only). The ResNet-50 runs and
+    each round's BERT-Large runs are estimated side by side (``_side_by_side``)."""
     print("Graphcore's MLPerf Training closed-division runs on Pod64 and larger (never fitted), "
           "estimated at each log's configuration; the speed-up from the round's Pod16, estimated "
           f"against measured (target: within {SPEEDUP_TARGET:.0%})")
-    keras.mixed_precision.set_global_policy("float16")
-    try:
-        rows = _resnet_pod_rows()
-        if not quick:
-            keras.mixed_precision.set_global_policy("float16")
-            rows += _bert_pod_rows()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    versions = [] if quick else list(dict.fromkeys(r.version for r in _BERT_PODS))
+    calls = [(_MODULE, "resnet_pod_rows_task", ())] + [
+        (_MODULE, "bert_pod_rows_task", (v,)) for v in versions]
+    # Longest first: a round's BERT estimates (its Pod16 and each pod) outweigh ResNet-50's.
+    cost = [1.0] + [1.0 + sum(r.version == v for r in _BERT_PODS) for v in versions]
+    groups = _side_by_side(calls, cost)
+    rows = groups[0] + cumulative_plan_counts(groups[1:])
     splits = per_update_split(rows)
     if splits:
         print("  time per weight update split as N x (a micro-batch) + (what an update adds), "
@@ -950,16 +1039,13 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def estimate_rows(quick: bool = False) -> list[dict[str, Any]]:
     """Each run estimated (printed as it goes): its row, with its cycles split by class."""
-    import keras
-
-    keras.mixed_precision.set_global_policy("float16")
-    try:
-        rows = _resnet_rows()
-        if not quick:
-            keras.mixed_precision.set_global_policy("float16")
-            rows += _bert_rows()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    calls = [(_MODULE, "resnet_rows_task", ())] + (
+        [] if quick else [(_MODULE, "bert_row_task", (i,)) for i in range(len(_BERT))])
+    out = _side_by_side(calls, [1.0] + [2.0] * (len(calls) - 1))  # BERT-Large's first
+    rows = list(out[0])
+    for row, shared in out[1:]:
+        SHARED.update(shared)   # here too when estimated in a worker
+        rows.append(row)
     return rows
 
 

@@ -70,3 +70,40 @@ def test_fit_cases_estimates_what_was_not_shared(shared: dict) -> None:
     assert not reused and found is None
     fresh = tf_ipu.estimate(model, 2, training=True, ipu_version="bow")
     assert est.peak_tile_bytes == fresh.peak_tile_bytes and est.cycles == fresh.cycles
+
+
+def pipelined_estimate() -> tuple:
+    """A two-stage pipelined training estimate, as bench_mlperf's BERT runs make theirs: the
+    step's Estimate and the checkpoint stash recorded while planning it (what ``SHARED`` keeps,
+    and what a worker of ``bench.parallel`` returns to the parent)."""
+    with tf_ipu.IPUStrategy().scope():
+        x = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="relu")(x)
+        model = keras.Model(x, keras.layers.Dense(4)(keras.layers.Dense(16)(h)))
+        model.compile(optimizer="sgd", loss="mse")
+        model.set_pipeline_stage_assignment([0, 0, 1])
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    with bench_mlperf._checkpoint_stash() as stashed:
+        est = tf_ipu.estimate(model, 2, training=True, ipu_version="ipu2", steps=1)
+    return getattr(est, "step", est), stashed
+
+
+def test_a_shared_estimate_made_in_a_worker_is_the_one_made_here(shared: dict) -> None:
+    import numpy as np
+
+    from bench import parallel
+
+    here, stash_here = pipelined_estimate()
+    (there, stash_there), _ = parallel.run([(__name__, "pipelined_estimate", ())] * 2, 2)
+    assert there.stages and there.peak_tile_bytes == here.peak_tile_bytes
+    assert there.cycles == here.cycles and there.peak_tile == here.peak_tile
+    assert stash_there.keys() == stash_here.keys() and "checkpoints" in stash_there
+    for k in stash_here:
+        assert all(np.array_equal(a, b) for a, b in zip(stash_here[k], stash_there[k], strict=True))
+    # Installed in the parent (as estimate_rows does), fit_cases takes it instead of estimating.
+    model = _model()
+    bench_mlperf._BUILT[model] = "bert(args)"
+    options = {"ipu_version": "ipu2"}
+    shared[bench_mlperf.shared_key(model, 2, True, options)] = (there, stash_there)
+    plan = bench_fit_cases.Plan(model, 2, True, options, capture=bench_mlperf._checkpoint_stash)
+    assert bench_fit_cases._estimate(plan, options) == (there, stash_there, True)

@@ -87,6 +87,7 @@ import tensorflow as tf  # noqa: E402
 
 from device_server.emulator.arch import get_target  # noqa: E402
 from device_server.emulator.errors import TileModelError  # noqa: E402
+from device_server.emulator.tiles.mapping import check_variable_mapping  # noqa: E402
 from device_server.emulator.tiles.replication import replication as _replication  # noqa: E402
 from device_server.emulator.tiles.report import (  # noqa: E402
     MEMORY_MARGIN,
@@ -336,6 +337,7 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
              available_memory_proportion: float | str | Mapping[str, float]
              | Sequence[float | str | Mapping[str, float] | None] | None = None,
              partials_type: str | Mapping[str, str] | None = None,
+             variable_mapping: str = "consumer",
              ) -> Estimate | TrainingEstimate:
     """Estimates one step of ``model`` on an IPU preset, without running it.
 
@@ -389,6 +391,11 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
             with "half" hold and exchange FP16 partial sums (half their bytes). None:
             ``IPUConfig.matmuls`` / ``convolutions`` (``partials_type`` or
             ``poplar_options["partialsType"]``) of the configured system, else "float".
+        variable_mapping: how the model's variables are laid out on the tiles: "consumer"
+            (as their first consumer wants them, what Graphcore's TensorFlow does) or
+            "linear" (``poputil::mapTensorLinearly``, as a Poplar program maps them): a matmul
+            or convolution that broadcasts a linear variable to more than 7 tiles then holds a
+            rearranged copy of it while it runs (docs/tile_model.md, "Memory per tile").
 
     Returns:
         An :class:`Estimate`: ``.latency_s``, ``.throughput`` (items/s), ``.cycles``,
@@ -431,6 +438,8 @@ def estimate(model: Any, batch_size: int, training: bool = False, ipu_version: s
     many["memory_proportions"] = _memory_proportions(
         None if per_stage else available_memory_proportion)
     many["partials_types"] = _partials_types(partials_type)
+    if check_variable_mapping(variable_mapping, "tf_ipu.estimate: variable_mapping") == "linear":
+        many["variable_mapping"] = "linear"
     if recomputation:  # a program without a pipeline: allow_recompute's cheap remaking
         many["recomputation"] = True
     x_specs = _input_specs(model, batch_size, input_spec)

@@ -953,6 +953,7 @@ def compile_module(
                           memory_proportions=options.memory_proportions(),
                           stage_memory_proportions=options.stage_memory_proportions,
                           partials_types=options.partials_types(),
+                          variable_mapping=options.variable_mapping,
                           on_failure="report")
     cancel.checkpoint("planning the tile mapping")
     if est.refused and not options.allow_out_of_memory:

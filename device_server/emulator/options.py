@@ -17,6 +17,7 @@ from typing import Any
 
 from device_server.emulator import numerics
 from device_server.emulator.arch import Target
+from device_server.emulator.tiles.mapping import check_variable_mapping
 from device_server.emulator.tiles.proportions import check_entry
 
 __all__ = ["CompileOptions"]
@@ -52,6 +53,10 @@ class CompileOptions:
     ``PipelineStageOptions``: the proportion of the "matmul" / "convolution" products of one
     pass ("forward", "backward", "update") of one stage, in place of the two above there
     (``tiles/proportions.py``).
+    ``variable_mapping``: how the variables are laid out: "consumer" (the default: as their
+    first consumer wants them, as Graphcore's TensorFlow does) or "linear" (each mapped with
+    ``poputil::mapTensorLinearly``, as a Poplar program may; a matmul or convolution that
+    broadcasts one to more than 7 tiles then holds a rearranged copy, ``tiles/matmul.py``).
 
     Replication (``emulator/replicas.py``): ``replicas``: how many replicas run the program
     at once (1: not replicated); ``system``: the ``protocol.hardware.System`` whose IPUs run
@@ -95,6 +100,7 @@ class CompileOptions:
     optimizer_state_offload: str = "auto"    # "auto" | "on" | "off" (pipeline.placement)
     optimizer_state_sharding: bool = False
     stage_memory_proportions: tuple[tuple[str, int, str, float], ...] = ()
+    variable_mapping: str = "consumer"     # "consumer" | "linear" (tiles/mapping.py)
 
     def memory_proportions(self) -> dict[str, float]:
         """Opcode -> availableMemoryProportion of the options that set one (checked)."""
@@ -137,6 +143,7 @@ def _checked_options(options: CompileOptions) -> CompileOptions:
     if not isinstance(options, CompileOptions):
         raise TypeError(f"options must be CompileOptions, got {type(options).__name__}.")
     options.memory_proportions()  # ValueError: a proportion outside [0, 1]
+    check_variable_mapping(options.variable_mapping, "CompileOptions.variable_mapping")
     for entry in options.stage_memory_proportions:  # ValueError naming the stage
         check_entry(entry, options.pipeline_stages)
     return dataclasses.replace(options, refuse_opcodes=frozenset(options.refuse_opcodes))

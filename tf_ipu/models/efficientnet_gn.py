@@ -25,6 +25,14 @@ multiplier rounded to multiples of 8, repeats times the depth multiplier rounded
 dropout (B0 0.2, B4 0.4) and the classifier. Activations are swish (SiLU); a block whose
 stride is 1 and whose input and output channels agree adds its input (after drop-path,
 rate 0.2 x block index / blocks). Convolutions have no bias; the SE convolutions do.
+Under a float16 policy the group norms are :class:`~tf_ipu.models.HalfGroupNormalization`
+(FP16 activation, FP32 statistics): the application converts the model with ``model.half()``
+after swapping in ``torch.nn.GroupNorm`` (``models/models.py``), PopTorch lowers it to PopART's
+GroupNormalization, whose opx computes popnn's statistics with FLOAT partials on the FP16
+activation and keeps that FP16 input for the backward pass (graphcore/popart
+``willow/src/popx/op/groupnormx.cpp``); Keras's ``GroupNormalization`` would compute the layer in
+FP32 and keep FP32 copies. The application's ``enable_fast_groupnorm`` (PopLibs' strided channel
+grouping) puts other channels in a group; the sizes are the same.
 Differences: Keras's "same" padding puts the odd padding of a strided convolution on the
 bottom/right where PyTorch pads both sides (shapes agree).
 
@@ -40,6 +48,8 @@ from collections.abc import Sequence
 
 import keras
 from keras import layers
+
+from tf_ipu.models.normalization import HalfGroupNormalization
 
 #: timm's EfficientNet stages: (block type, repeats, kernel, stride, channels); "ds" blocks
 #: (depthwise-separable) do not expand, "ir" blocks (inverted residual) by ``expand_ratio``.
@@ -61,7 +71,9 @@ def _round_channels(channels: int, multiplier: float, divisor: int = 8) -> int:
 
 
 def _norm(x: keras.KerasTensor, groups: int, name: str) -> keras.KerasTensor:
-    return layers.GroupNormalization(groups=groups, epsilon=1e-3, name=name)(x)
+    half = keras.mixed_precision.global_policy().compute_dtype == "float16"
+    norm = HalfGroupNormalization if half else layers.GroupNormalization
+    return norm(groups=groups, epsilon=1e-3, name=name)(x)
 
 
 def _se(x: keras.KerasTensor, reduced: int, name: str) -> keras.KerasTensor:

@@ -29,9 +29,13 @@ after another; XLA computes them as one (the same sum, the softmax of all chunks
 Placement (``GPT2Wrapper.__init__``): ``wte`` on IPU 0, ``wpe`` on IPU 1, decoder layer ``i``
 on the IPU ``layers_per_ipu`` gives it, ``ln_f`` with the last layer, the LM head on IPU 0.
 ``poptorch.AutoStage.AutoIncrement`` (``ipu_options.py``; ``inference_gpt2.py`` with
-``ShardedExecution``) makes each ``BeginBlock`` a stage of its own: ``wte``, ``wpe``, every
-decoder layer, the LM head (:func:`gpt2_pipeline_stages`). ``--recompute-checkpoint-every-layer``
-marks each decoder layer's output as a recomputation checkpoint (``checkpoints="every_layer"``).
+``ShardedExecution``) gives each ``BeginBlock`` a stage id of its own: ``wte``, ``wpe``, every
+decoder layer, the LM head (:func:`gpt2_pipeline_stages`). A pipelined (training) program then
+runs one stage per change of IPU: PopTorch merges consecutive blocks on the same IPU into one
+stage (PopTorch user guide, "Pipelined execution"; PopART's ``mergeConsecutivePipelineStages``
+in ``willow/src/transforms/pipeline.cpp``, tested by ``pipeline_consecutive_stages_test.py``):
+:func:`merge_consecutive_stages`. ``--recompute-checkpoint-every-layer`` marks each decoder
+layer's output as a recomputation checkpoint (``checkpoints="every_layer"``).
 
 Parameter counts: 124,439,808 for GPT-2 small and 354,823,168 for medium with OpenAI's
 vocabulary of 50257 (Hugging Face's model cards: 124M and 355M); the application pads the
@@ -207,3 +211,29 @@ def gpt2_pipeline_stages(model: keras.Model, layers_per_ipu: Sequence[int]) -> t
             stages.append(0)  # the input
     model.set_pipeline_stage_assignment(stages)
     return stages, [0, 1, *ipu_of, 0]
+
+
+def merge_consecutive_stages(stages: Sequence[int], stage_ipus: Sequence[int]
+                             ) -> tuple[list[int], list[int]]:
+    """PopTorch's pipeline stages from its blocks' stage ids: consecutive stages on the same
+    IPU become one (PopTorch user guide, "Pipelined execution": "If two consecutive
+    blocks/stages use the same IPU, PopTorch will merge them into a single block/stage";
+    PopART ``Pipeline::apply`` calls ``mergeConsecutivePipelineStages``, graphcore/popart
+    ``willow/src/transforms/pipeline.cpp``). ``stages``: each layer call's stage id;
+    ``stage_ipus``: each stage id's IPU. Returns the merged stage of each layer call and each
+    merged stage's IPU, e.g. IPUs ``[0, 1, 1, 1, 2, 2, 0]`` -> ``[0, 1, 2, 0]``.
+
+    Raises:
+        ValueError: a stage id with no IPU in ``stage_ipus``, or a negative one.
+    """
+    ipus = [int(i) for i in stage_ipus]
+    bad = [s for s in stages if not 0 <= int(s) < len(ipus)]
+    if bad:
+        raise ValueError(f"merge_consecutive_stages: stage ids {sorted(set(bad))} have no IPU in "
+                         f"stage_ipus {ipus} ({len(ipus)} stage(s))")
+    merged, new = [], []
+    for ipu in ipus:
+        if not new or ipu != new[-1]:
+            new.append(ipu)
+        merged.append(len(new) - 1)
+    return [merged[int(s)] for s in stages], new

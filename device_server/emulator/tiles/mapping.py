@@ -16,22 +16,39 @@ tensor that is sliced along its first dimension (popops' ``createSliceableTensor
 per-iteration stash): each tile holds a piece of the unsliced elements for every one of the
 ``slices`` positions, so one slice is spread over all the mapping's tiles. Its per-tile counts
 are those of an even mapping; ``slices`` says which elements sit where.
+
+:func:`poputil_linear` is the layout a Poplar program gives a variable with
+``poputil::mapTensorLinearly`` (the ``variable_mapping="linear"`` option): contiguous slices of
+the flattened tensor on tiles 0, 1, 2, ... in order, by poputil's rule (see the function). Its
+mapping is flagged ``linear``: a matmul or convolution that broadcasts such an operand
+rearranges it into a copy in its own layout first (``matmul.rearrangement``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
-__all__ = ["Allocator", "TileMapping"]
+from device_server.emulator.tiles.irinfo import shape_elems, shape_itemsize
+from device_server.protocol import ir_pb2
+
+__all__ = ["VARIABLE_MAPPINGS", "Allocator", "TileMapping", "check_variable_mapping", "poputil_linear",
+           "variable_mappings"]
+
+#: How variables are laid out (the ``variable_mapping`` option): "consumer", as their first
+#: consumer wants them (Graphcore's TensorFlow, its allocation finder), or "linear"
+#: (``poputil::mapTensorLinearly``, as a Poplar program may map them: ``poputil_linear``).
+VARIABLE_MAPPINGS = ("consumer", "linear")
 
 
 class TileMapping:
     """Elements of one tensor over a run of tiles (see module docstring)."""
 
-    __slots__ = ("first", "tiles", "elements", "total_tiles", "counts", "slices")
+    __slots__ = ("first", "tiles", "elements", "total_tiles", "counts", "slices", "linear")
 
     def __init__(self, first: int, tiles: int, elements: int, total_tiles: int,
-                 counts: np.ndarray | None = None, slices: int = 1) -> None:
+                 counts: np.ndarray | None = None, slices: int = 1, linear: bool = False) -> None:
         if not 0 < tiles <= total_tiles:
             raise ValueError(f"a mapping needs 1..{total_tiles} tiles, received tiles={tiles}.")
         self.first = int(first) % total_tiles
@@ -48,6 +65,8 @@ class TileMapping:
         self.counts = counts
         # > 1: sliceable along the first dimension (each tile holds part of every slice)
         self.slices = max(1, int(slices))
+        # a variable mapped by poputil::mapTensorLinearly (poputil_linear), not for its consumer
+        self.linear = bool(linear)
 
     @classmethod
     def on_tiles(cls, counts_by_tile: dict[int, int], total_tiles: int) -> TileMapping:
@@ -181,3 +200,70 @@ class Allocator:
         first = self.cursor
         self.cursor = (self.cursor + tiles) % self.total_tiles
         return TileMapping(first, tiles, elements, self.total_tiles)
+
+
+def poputil_linear(elements: int, itemsize: int, total_tiles: int, *, vector_bytes: int = 8,
+                   min_bytes_per_tile: int = 128) -> TileMapping:
+    """The mapping ``poputil::mapTensorLinearly(graph, t)`` gives a tensor of ``elements``
+    elements of ``itemsize`` bytes on a chip of ``total_tiles`` tiles (graphcore/poplibs
+    lib/poputil/TileMapping.cpp ``calcLinearTileMapping``, which calls ``splitRegions`` of
+    lib/poputil/Util.cpp): the flattened tensor is cut into grains of the target's vector
+    width (``vector_bytes`` / ``itemsize`` elements: ``getVectorWidth``, 64 bits); each
+    tile takes ``ceil(grains / tiles)`` grains, raised so that no tile holds fewer than
+    ``ceil(min_bytes_per_tile / itemsize)`` elements (poputil's 128 bytes); the grains are
+    then spread over ``V = ceil(grains / per tile)`` tiles, tile ``v`` (0 .. V - 1, in order)
+    holding grains ``v * grains // V`` up to ``(v + 1) * grains // V`` (the last grain may be
+    short). Flagged ``linear``."""
+    n = int(elements)
+    size = int(itemsize)
+    if n <= 0 or size <= 0 or total_tiles <= 0:
+        raise ValueError(f"poputil_linear needs positive elements, itemsize and tiles, received "
+                         f"elements={elements!r}, itemsize={itemsize!r}, total_tiles={total_tiles!r}.")
+    def ceil(a: int, b: int) -> int:
+        return -(-a // b)
+
+    grain = max(1, int(vector_bytes) // size)
+    grains = ceil(n, grain)
+    per_tile = ceil(grains, int(total_tiles))
+    min_grains = ceil(ceil(int(min_bytes_per_tile), size), grain)
+    if min_grains > 0:
+        per_tile = max(per_tile, ceil(grains, max(1, grains // min_grains)))
+    tiles = ceil(grains, per_tile)
+    v = np.arange(tiles + 1, dtype=np.int64)
+    ends = np.minimum(n, (v * grains // tiles) * grain)
+    return TileMapping(0, tiles, n, int(total_tiles), np.diff(ends), linear=True)
+
+
+def check_variable_mapping(value: object, what: str = "variable_mapping") -> str:
+    """``value`` if it is one of ``VARIABLE_MAPPINGS``, else a ValueError naming ``what``."""
+    if not isinstance(value, str) or value not in VARIABLE_MAPPINGS:
+        raise ValueError(f"{what} must be 'consumer' (variables laid out as their first consumer "
+                         f"wants them, Graphcore's TensorFlow) or 'linear' "
+                         f"(poputil::mapTensorLinearly), not {value!r}.")
+    return value
+
+
+def variable_mappings(module: ir_pb2.Module, vector_bytes: int, min_bytes_per_tile: int,
+                      tiles: int, kinds: Mapping[int, str] | None,
+                      variable_mapping: str = "linear") -> dict[str, TileMapping]:
+    """Entry parameter name -> its ``poputil_linear`` mapping, for every variable of
+    ``module`` when ``variable_mapping`` is "linear" (none for "consumer"). A parameter is a
+    variable if ``kinds`` (parameter number -> kind) says so, else if its ``source_type``
+    does, else if an output aliases it (as the planner decides)."""
+    if check_variable_mapping(variable_mapping) == "consumer":
+        return {}
+    kinds = kinds or {}
+    aliased = {int(a.parameter_number) for a in module.aliases}
+    entry = next(c for c in module.computations if c.id == module.entry_computation_id)
+    out = {}
+    for instr in entry.instructions:
+        if instr.opcode != "parameter" or instr.shape.is_tuple or not shape_itemsize(instr.shape):
+            continue
+        n = instr.parameter_number
+        kind = kinds.get(n) or (instr.source_type if instr.source_type in
+                                ("argument", "variable", "constant") else "")
+        if (kind or ("variable" if n in aliased else "argument")) == "variable":
+            out[instr.name] = poputil_linear(max(1, shape_elems(instr.shape)), shape_itemsize(instr.shape),
+                                             tiles, vector_bytes=vector_bytes,
+                                             min_bytes_per_tile=min_bytes_per_tile)
+    return out

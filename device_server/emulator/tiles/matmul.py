@@ -29,6 +29,25 @@ plan runs in ``sk`` serial passes over ``K`` (and ``sn`` over ``N``), each a sup
 own exchange, as Poplar's serial splits do. The search evaluates every combination of splits
 from a geometric grid at once with numpy and keeps the fastest that fits.
 
+An operand mapped linearly over the tiles (a variable under ``variable_mapping="linear"``,
+as a Poplar program maps it with ``poputil::mapTensorLinearly``) is not in the plan's layout.
+poplin's convolution (which ``poplin::matMul`` calls, graphcore/poplibs lib/poplin/MatMul.cpp
+``matMulImpl``) then rearranges it when the plan broadcasts it to more than 7 tiles
+(lib/poplin/Convolution.cpp: ``inViewMaxBroadcastDests`` / ``weightViewMaxBroadcastDests``,
+``rearrangeActs`` / ``rearrangeWeights``): it creates a new tensor in the plan's layout
+(``createInputImpl`` / ``createWeightsImpl``, "actsRearranged" / "weightsRearranged") and copies
+the operand into it before the product. A matrix product's input is broadcast to the tiles
+of its N split (``outChanSplit``), its weights to those of its M split (``batchSplit``). It
+rearranges an operand too when the plan groups its channels (the AMP's input channels) and
+the operand's detected grouping is 1 (its channels, the contraction, are not its innermost,
+contiguous dimension: the usual ``[K, N]`` rhs of a dot, an ``HWIO`` kernel).
+:func:`plan_rearranged` plans such a product: the plan is made for the operands in its own
+layout (``a_local`` / ``b_local``, as poplin's planner assumes); an operand it rearranges
+(:class:`Rearrangement`: the copy, ``bytes / tiles`` on each of the plan's tiles, live while
+the product runs, and the exchange that fills it) stays local; any other is read straight
+from its linear layout (planned with the operand not local, as any operand laid out
+elsewhere).
+
 The proportion is PopLibs' ``availableMemoryProportion`` (``plan_matmul``'s
 ``memory_proportion``; the preset's 0.6 when not given): a lower one leaves fewer candidates,
 so the plan holds fewer temporaries per tile and costs as many cycles or more. When no split
@@ -39,15 +58,31 @@ False). A proportion of 0 asks for the least temporary memory at once, as in Pop
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from device_server.emulator.arch import Target
+from device_server.emulator.tiles.irinfo import attr_int, attr_ints
+from device_server.emulator.tiles.mapping import TileMapping
+from device_server.protocol import ir_pb2
 
-__all__ = ["MatmulPlan", "MatmulProblem", "plan_matmul"]
+__all__ = ["MAX_BROADCAST_DESTS", "LinearOperand", "MatmulPlan", "MatmulProblem", "Rearrangement",
+           "linear_operand", "plan_matmul", "plan_rearranged"]
+
+# poplin copies an operand not in the plan's layout into a new tensor in it when the plan
+# broadcasts it to more tiles than this (lib/poplin/Convolution.cpp, inViewMaxBroadcastDests
+# and weightViewMaxBroadcastDests, both 7).
+MAX_BROADCAST_DESTS = 7
+
+# The fewest output channels an AMP vertex computes per group: PopLibs' AMP candidates use
+# 8 or 16 conv units with partialChansPerGroup 8 or 16 (graphcore/poplibs@7eac0f26
+# lib/poplin/ConvVertexType.cpp getConvVertexAMPCandidates).
+_AMP_MIN_PARTIAL_CHANS = 8
 
 _SERIAL_N = np.array([1, 2, 4, 8, 16, 32, 64], dtype=np.float64)
 
@@ -197,7 +232,11 @@ def plan_matmul(problem: MatmulProblem, target: Target,
     if problem.a_local:
         recv_a = recv_a * (pn - 1) / pn
     acc = float(problem.partials_bytes)
-    partials = g * m * n * acc
+    # poplin zero-pads a group's output channels to the plan's partialChansPerGroup
+    # (Convolution.cpp convolutionPreprocess), 8 or 16 for every AMP candidate on Mk2
+    # (ConvVertexType.cpp): the AMP's partials hold at least n rounded up to 8.
+    amp_n = _ceil(n, min(_AMP_MIN_PARTIAL_CHANS, ng)) * min(_AMP_MIN_PARTIAL_CHANS, ng)
+    partials = g * m * np.where(use_amp, amp_n, n) * acc
     reduce = pk > 1
 
     red_recv = np.where(reduce, (pk - 1) / pk * partials, 0.0)
@@ -296,3 +335,100 @@ def plan_matmul(problem: MatmulProblem, target: Target,
         fits_budget=fits_budget and math.isfinite(at(sk)),
         memory_proportion=proportion, budget_bytes=budget,
     )
+
+
+@dataclass(frozen=True)
+class LinearOperand:
+    """An operand of a product mapped linearly (``mapping.poputil_linear``): its mapping, the
+    bytes of an element and the grouping of its channels (contraction) that poplin detects
+    (``linear_operand``)."""
+
+    mapping: TileMapping
+    itemsize: int
+    grouping: int
+
+    @property
+    def fullest_tile_bytes(self) -> float:
+        return float(self.mapping.max_elements * self.itemsize)
+
+
+def linear_operand(mapping: TileMapping | None, itemsize: int, instr: ir_pb2.Instruction, n: int,
+                   dims: Sequence[int]) -> LinearOperand | None:
+    """Operand ``n`` (0: input / lhs, 1: weights / rhs) of the dot or convolution ``instr``,
+    of shape ``dims``, if ``mapping`` is a linear one (else None), with the channel grouping
+    poputil's ``detectInnermostGrouping`` (lib/poputil/VarStructure.cpp) finds in it: the
+    channels (contraction) the product reads run contiguously only if they are the
+    operand's innermost dimensions (row-major); then the grouping is the gcd of their
+    number and the largest piece of the first run of them that one tile holds, else 1."""
+    if mapping is None or not mapping.linear:
+        return None
+    rank = len(dims)
+    if instr.opcode == "dot":
+        names = ("lhs_contracting_dimensions", "rhs_contracting_dimensions")
+        channels = sorted(attr_ints(instr, names[n]))
+    else:
+        names = ("input_feature_dimension", "kernel_input_feature_dimension")
+        channels = [attr_int(instr, names[n], 0)]
+    if not channels or channels != list(range(rank - len(channels), rank)):
+        return LinearOperand(mapping, itemsize, 1)
+    run = int(np.prod([dims[d] for d in channels], dtype=np.int64))
+    counts = mapping.counts if mapping.counts is not None else np.full(
+        mapping.tiles, mapping.elements // mapping.tiles, np.int64)
+    ends = np.cumsum(counts)
+    pieces = np.minimum(ends, run) - np.minimum(ends - counts, run)
+    return LinearOperand(mapping, itemsize, math.gcd(int(pieces.max()), max(1, run)))
+
+
+@dataclass(frozen=True)
+class Rearrangement:
+    """The operands poplin copies into the plan's layout before a product (see module
+    docstring): which (``a``: the input / lhs, ``b``: the weights / rhs), the copies' bytes on
+    each of the plan's tiles (live while the product runs) and the exchange that fills them
+    (cycles, bytes each tile receives)."""
+
+    a: bool = False
+    b: bool = False
+    bytes_per_tile: float = 0.0
+    exchange_cycles: float = 0.0
+    recv_bytes_per_tile: float = 0.0
+
+    def describe(self) -> str:
+        which = " and ".join(n for n, on in (("input", self.a), ("weights", self.b)) if on)
+        return f"{which} rearranged into the plan's layout ({self.bytes_per_tile:,.0f} B a tile)" \
+            if which else ""
+
+
+def plan_rearranged(problem: MatmulProblem, target: Target, memory_proportion: float | None,
+                    linear: Sequence[LinearOperand | None]) -> tuple[MatmulPlan, Rearrangement]:
+    """``plan_matmul`` for a product whose operands (input, weights) may be mapped linearly
+    (``linear``: their ``linear_operand``, or None). Without one, ``plan_matmul(problem)`` and
+    no rearrangement. Else (module docstring): the plan for the linear operands in its own
+    layout; poplin copies one into it (Convolution.cpp, ``rearrangeActs`` /
+    ``rearrangeWeights``) when the plan broadcasts it to more than ``MAX_BROADCAST_DESTS``
+    tiles (the input to its N split, the weights to its M split) or when the plan groups
+    channels (the AMP) and the operand's detected grouping is 1. A copy is the
+    :class:`Rearrangement` (its exchange one superstep: each of the plan's tiles receives its
+    share of the copies, the fullest linear tile sends its share); an operand not copied is
+    read from its linear layout (the plan made again with it not local)."""
+    a_lin, b_lin = (op is not None for op in linear[:2])
+    if not (a_lin or b_lin):
+        return plan_matmul(problem, target, memory_proportion), Rearrangement()
+    local = dataclasses.replace(problem, a_local=problem.a_local or a_lin,
+                                b_local=problem.b_local or b_lin)
+    plan = plan_matmul(local, target, memory_proportion)
+
+    def copied(op: LinearOperand | None, dests: int) -> bool:
+        return op is not None and (dests > MAX_BROADCAST_DESTS or (plan.amp and op.grouping == 1))
+
+    a, b = copied(linear[0], plan.pn), copied(linear[1], plan.pm)
+    if (a, b) != (a_lin, b_lin):  # an operand read from its linear layout: not local
+        kept = dataclasses.replace(problem, a_local=problem.a_local or a, b_local=problem.b_local or b)
+        plan = plan_matmul(kept, target, memory_proportion)
+    if not (a or b):
+        return plan, Rearrangement()
+    per_tile = ((problem.a_bytes if a else 0) + (problem.b_bytes if b else 0)) / plan.tiles
+    send = sum(op.fullest_tile_bytes for op, on in zip(linear[:2], (a, b), strict=True)
+               if on and op is not None)
+    cycles = (max(per_tile, send) / target.exchange_bytes_per_cycle_per_tile
+              + target.exchange_overhead_cycles + target.sync_cycles)
+    return plan, Rearrangement(a, b, per_tile, cycles, per_tile)

@@ -35,7 +35,10 @@
     stash_s tensors stage s keeps from its forward for its backward (made by a forward, read
             by stage s's backward); with recomputation (stages with k_s > 1): the stage's
             input checkpoint instead (what its forward reads from other stages and the
-            streamed inputs), and B_s += F_s (the forward runs again before the backward)
+            streamed inputs; with recomputation checkpoints, those the stage reads again),
+            and B_s += F_s (the forward runs again before the backward). PopTorch runs
+            consecutive blocks on one IPU as one stage (its builders merge them,
+            tf_ipu.models.gpt2.merge_consecutive_stages); k_s is then PopART's stash size
       optimizer state offloaded (variables only the weight update reads; Streaming Memory,
             system.streaming_memory_bytes_per_s): per tile max(total - state, always-live
             rest + state / shards) (streamed in only for the update, when nothing is
@@ -95,8 +98,8 @@ PIPELINE_ASSUMPTIONS = (
     "pipeline memory: one micro-batch's working set per IPU (the whole program's schedule) "
     "plus (k - 1) more stashes per stage, k the micro-batches in flight there; recomputation "
     "stashes the stage's input checkpoint and runs its forward again before the backward "
-    "(with recomputation checkpoints: stashes them too, and runs again only what a backward "
-    "read needs from the latest checkpoint)",
+    "(with recomputation checkpoints: stashes those its stage reads again too, and runs "
+    "again only what a backward read needs from the latest checkpoint)",
     "pipelined replicas: each IPU all-reduces its stages' gradients over the ring of the IPUs "
     "holding them once per weight update; host transfers over the replicas' first IPUs' links",
     "optimizer state (variables only the weight update reads) offloaded: off the IPU except "
@@ -529,9 +532,15 @@ def _stash(plan: ModulePlan, traffic: _Traffic, phase: dict[str, str], S: int, T
         if made != "forward":
             continue
         src = -1 if b.ctx is None else min(stage_of(b.instr), S - 1)
-        if b.ctx is not None and b.instr.name in kept:
-            b.mapping.add_to(ckpt[src], b.itemsize)
         reads = traffic.readers.get(id(b), set())
+        # A checkpoint is stashed where its own stage reads it again; one that only another
+        # stage reads (a stage's last, sent on) is stashed there, as that stage's input, not
+        # twice. PopART: a tensor consumed only by the copy to the next IPU appears in one
+        # stage and gets no stash (graphcore/popart willow/src/transforms/pipeline.cpp,
+        # getStashCandidateTensors: "There is no need to stash a tensor that only appears in
+        # 1 stage", full recompute stashing "the inputs to an IPU" and checkpoints).
+        if b.ctx is not None and b.instr.name in kept and any(st == src for st, _ in reads):
+            b.mapping.add_to(ckpt[src], b.itemsize)
         for s in {st for st, _ in reads}:
             if (s, "backward") in reads:
                 b.mapping.add_to(stash[s], b.itemsize)
@@ -925,7 +934,8 @@ def estimate_pipeline(plan: ModulePlan, module: ir_pb2.Module, where: Placement,
         "total_bytes": sum(d["total_bytes"] for d in ipus),
         "stages": stage_rows, "timeline": slot_rows, "transfers": transfers,
         "truncated": len(timeline) > _TIMELINE_SLOTS,
-        "all_reduces": int(round(updates * ar_count)) if R > 1 else 0,
+        "all_reduces": int(round(updates * ar_count)) if R > 1 else 0,   # per call
+        "all_reduces_per_update": int(round(ar_count)) if R > 1 else 0,  # each replica's
         "per_update_all_reduces": sorted(set().union(*(c.per_update_names for c in costs))),
         "all_reduce_bytes": int(round(updates * sum(ar_bytes_update))) if R > 1 else 0,
         "rings": {str(i): r.to_dict() for i, r in rings.items()},

@@ -23,7 +23,14 @@ from device_server.emulator.tiles.irinfo import (
     shape_elems,
     shape_itemsize,
 )
-from device_server.emulator.tiles.matmul import MatmulPlan, MatmulProblem, plan_matmul
+from device_server.emulator.tiles.matmul import (
+    MatmulPlan,
+    MatmulProblem,
+    Rearrangement,
+    linear_operand,
+    plan_matmul,
+    plan_rearranged,
+)
 from device_server.emulator.tiles.plan import Bcast, Buf, CompPlan, Value
 from device_server.emulator.tiles.state import PlannerState
 from device_server.protocol import ir_pb2
@@ -91,7 +98,11 @@ class ProductPlanning(PlannerState):
             problem = dataclasses.replace(problem, a_local=unmapped[0], b_local=unmapped[1])
         if self.partials_types.get(instr.opcode) == "half" and problem.floating and problem.itemsize <= 2:
             problem = dataclasses.replace(problem, partials_bytes=2)  # FP16 partials
-        plan: MatmulPlan = plan_matmul(problem, t, self.memory_proportion_of(instr))
+        # Variables mapped linearly (variable_mapping="linear"): poplin may rearrange them first.
+        linear = [linear_operand(v.mapping if isinstance(v, Buf) and v.ctx is None else None, v.itemsize,
+                                 instr, n, self._operand_shape(instr, n).dims) for n, v in enumerate(ops[:2])]
+        plan, copy = (plan_rearranged(problem, t, self.memory_proportion_of(instr), linear) if any(linear)
+                      else (plan_matmul(problem, t, self.memory_proportion_of(instr)), Rearrangement()))
         for v, fresh in zip(ops[:2], unmapped, strict=True):
             if fresh:
                 v.mapping = self.alloc.spread(v.elements, plan.tiles)
@@ -104,12 +115,12 @@ class ProductPlanning(PlannerState):
                 send = max(send, self.mapping_of(src).max_elements * src.itemsize)
         # The busiest sender bounds the exchange too (an operand held on few tiles).
         exchange = max(plan.exchange_cycles, send / t.exchange_bytes_per_cycle_per_tile
-                       + plan.passes * t.exchange_overhead_cycles)
+                       + plan.passes * t.exchange_overhead_cycles) + copy.exchange_cycles
         flops = problem.flops
         unit = "AMP" if plan.amp else "vector"
         s1 = self.step(ctx, instr, "matmul", m, plan.compute_cycles / plan.passes,
                        exchange / plan.passes, flops / plan.passes, k, repeat=plan.passes,
-                       recv=plan.recv_bytes_per_tile / plan.passes,
+                       recv=(plan.recv_bytes_per_tile + copy.recv_bytes_per_tile) / plan.passes,
                        src_bytes_per_tile=max(1.0, send), codelet=f"{instr.opcode}-{unit}")
         steps = [s1]
         if plan.pk > 1:
@@ -119,8 +130,9 @@ class ProductPlanning(PlannerState):
                            src_bytes_per_tile=plan.reduce_recv_bytes_per_tile / max(1, plan.pk - 1),
                            codelet="reduce-partials")
             steps.append(s2)
-        ctx.points[k].temps.append((m, plan.temp_bytes_per_tile))
-        self.record(instr, m, steps, plan.temp_bytes_per_tile, plan.describe())
+        temp = plan.temp_bytes_per_tile + copy.bytes_per_tile
+        ctx.points[k].temps.append((m, temp))
+        self.record(instr, m, steps, temp, "; ".join(filter(None, (plan.describe(), copy.describe()))))
         if not plan.fits_budget:
             self.notes.append(self._budget_note(instr, plan))
         return out

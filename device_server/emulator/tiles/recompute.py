@@ -79,21 +79,28 @@ class Recomputation:
     #: instructions run again, and how many times per run of their computation: given (the
     #: segments of a program that is not pipelined), or found as the ``cheap`` policy sweeps
     again: dict[str, int] = field(default_factory=dict)
+    #: (computation, order) -> (that order, its ranges under recomputation): the same order
+    #: of a computation is swept again for each IPU of a pipeline (``wrap``).
+    _done: dict[tuple[int, int], tuple[Liveness, Liveness]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.policy not in ("segments", "cheap"):
             raise ValueError(f"recomputation policy must be 'segments' or 'cheap', not {self.policy!r}")
 
     def wrap(self, live_of: Callable[[CompPlan], Liveness]) -> Callable[[CompPlan], Liveness]:
-        """``live_of`` with each computation's live ranges under recomputation (memoized)."""
+        """``live_of`` with each computation's live ranges under recomputation (memoized, also
+        across calls: what an order gives depends on the computation and the order only)."""
         memo: dict[int, Liveness] = {}
 
         def of(ctx: CompPlan) -> Liveness:
             if id(ctx) not in memo:
                 live = live_of(ctx)
-                if self.policy == "segments":
-                    live = hoisted(ctx, live, self)
-                memo[id(ctx)] = recomputed_liveness(ctx, live, self)
+                key = (id(ctx), id(live))
+                if key not in self._done:  # (``live`` is kept with it: its id is not reused)
+                    out = hoisted(ctx, live, self) if self.policy == "segments" else live
+                    self._done[key] = (live, recomputed_liveness(ctx, out, self))
+                memo[id(ctx)] = self._done[key][1]
             return memo[id(ctx)]
 
         return of
@@ -110,7 +117,16 @@ def hoisted(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Liveness:
     recomputation in view has no reason to run it early: to it, those tensors are live from
     the forward pass whatever it does, so it may leave it after the next layers' backward;
     remade, they would then stay live across them. Poplar's scheduler, which sees the
-    remaking, runs it when its gradient is ready."""
+    remaking, runs it when its gradient is ready.
+
+    What only the weight update reads (a weight gradient) is not counted as made: a
+    pipeline adds each micro-batch's weight gradient to its accumulator, created once per
+    variable and live across the pipeline, as soon as it is made (graphcore/tensorflow
+    ``ipu/ops/op_util.py``, ``accumulate_gradients``: ``gradient_accumulator_create``, then
+    ``gradient_accumulator_add_with_scale``), so running it early holds nothing new there.
+    (Counted, a weight gradient as large as the remade tensor it ends, e.g. BERT-Large's
+    ``[1024, 4096]`` kernel against its GELU product over 1,024 tokens, was a tie that left
+    it at the end of the stage's backward.)"""
     points = ctx.points
     n = len(live.order)
     phase = rec.phase
@@ -128,6 +144,11 @@ def hoisted(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Liveness:
     for k, pi in enumerate(live.order):
         for b in points[pi].uses:
             readers.setdefault(id(b), set()).add(k)
+
+    def accumulated(b: Buf) -> bool:
+        """Read by the weight update only: added to its accumulator as it is made."""
+        rs = readers.get(id(b), ())
+        return bool(rs) and all(phase.get(points[live.order[r]].instr.name) == "update" for r in rs)
 
     def movable(k: int) -> bool:
         p = points[live.order[k]]
@@ -166,7 +187,7 @@ def hoisted(ctx: CompPlan, live: Liveness, rec: Recomputation) -> Liveness:
                 if b.kind == "activation":  # (what it reads through fused producers
                     # included: they store nothing, only the stored tensors order it)
                     ready = max(ready, pos.get(b.born, -1))
-        made = sum(b.nbytes for b in outlive.get(live.order[chain[-1]], []))
+        made = sum(b.nbytes for b in outlive.get(live.order[chain[-1]], []) if not accumulated(b))
         if ends > made and ready < k - 1:
             for c in chain:
                 target[c] = ready + 0.5

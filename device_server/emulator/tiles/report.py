@@ -46,7 +46,11 @@ from device_server.emulator.cancel import RunStopped
 from device_server.emulator.errors import TileModelError, describe, layer_of
 from device_server.emulator.tiles import cycles as cyc
 from device_server.emulator.tiles.irinfo import stage_of
-from device_server.emulator.tiles.mapping import TileMapping
+from device_server.emulator.tiles.mapping import (
+    TileMapping,
+    check_variable_mapping,
+    variable_mappings,
+)
 from device_server.emulator.tiles.memory import (
     CATEGORIES,
     MemoryProfile,
@@ -215,6 +219,9 @@ class Estimate:
     micro_batches_per_call: int = 0
     weight_updates_per_call: float = 0.0
     pipeline_cycles_per_update: int = 0  # ramp-up + steady state + ramp-down + update
+    # A pipeline's all-reduces per weight update (each replica, every stage's gradients):
+    # all_reduces = this x weight_updates_per_call, rounded (0 for a one-micro-batch call).
+    all_reduces_per_update: int = 0
     peak_ipu: int = 0                    # the replica's IPU with the fullest tile
     stages: list[dict[str, Any]] = field(default_factory=list)   # per stage: cycles, stash, ...
     ipus: list[dict[str, Any]] = field(default_factory=list)     # per IPU: memory, stages
@@ -302,13 +309,16 @@ class Estimate:
         """The all-reduces' cycles on the GW-Links between Pod64s (0 within one pod):
         2 (P - 1) / P x all_reduce_bytes / the ring's GW-Link bytes/s + 2 (P - 1) GW steps per
         all-reduce (replication.all_reduce_parts; for a pipeline, every stage's bytes on the
-        first stage IPU's ring: an upper bound), at most ``all_reduce_cycles``."""
+        first stage IPU's ring: an upper bound; its all-reduces per call are
+        ``all_reduces_per_update`` x ``weight_updates_per_call``), at most ``all_reduce_cycles``."""
         gw = self.ring.get("gw") if self.ring else None
-        if not gw or not (self.all_reduces or self.all_reduce_bytes):
-            return 0.0  # (a pipeline's count per micro-batch rounds to 0; its bytes do not)
+        count = (self.all_reduces_per_update * self.weight_updates_per_call
+                 if self.all_reduces_per_update else float(self.all_reduces))
+        if not gw or not count:
+            return 0.0
         p = len(gw["pods"])
         seconds = (2 * (p - 1) / p * self.all_reduce_bytes / gw["bytes_per_s"]
-                   + self.all_reduces * 2 * (p - 1) * gw["step_latency_s"])
+                   + count * 2 * (p - 1) * gw["step_latency_s"])
         return min(float(self.all_reduce_cycles), seconds * self.clock_hz)
 
     @property
@@ -394,7 +404,7 @@ class Estimate:
         if self.replicas > 1:
             replicas = (f" x {self.replicas} replicas on {self.system} IPUs "
                         f"{_ids_text(self.ipu_ids)} (per IPU below)")
-            if self.all_reduces:
+            if self.all_reduces or self.all_reduces_per_update:
                 replicas += (f"; all-reduce {self.all_reduce_bytes:,} B per replica, "
                              f"{self.all_reduce_cycles / self.clock_hz * 1e3:.3f} ms = "
                              f"{self.all_reduce_share:.1%} of the call, over "
@@ -833,6 +843,7 @@ def _apply_pipeline(est: Estimate, pipe: dict[str, Any], where: Placement, t: Ta
     est.host_link = pipe["host_link"]
     est.replica_syncs = 1 if where.replicas > 1 else 0
     est.all_reduces, est.all_reduce_bytes = pipe["all_reduces"], pipe["all_reduce_bytes"]
+    est.all_reduces_per_update = pipe["all_reduces_per_update"]
     per_update = set(pipe["per_update_all_reduces"])
     calls = pipe["updates_per_call"], pipe["micro_batches_per_call"]
     est.collectives = [{**c, "executions": calls[0] if c["name"] in per_update else calls[1]}
@@ -879,12 +890,15 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
                     memory_proportions: Mapping[str, float] | None = None,
                     partials_types: Mapping[str, str] | None = None,
                     stage_memory_proportions: Iterable[tuple[str, int, str, float]] = (),
+                    variable_mapping: str = "consumer",
                     on_failure: str = "raise") -> Estimate:
     """Plans ``module`` for ``target`` and estimates one call (see ``plan_module`` for the
     arguments; ``memory_proportions``: PopLibs' availableMemoryProportion of ``"dot"`` and
     ``"convolution"`` plans; ``partials_types``: their partialsType, "float" or "half";
     ``stage_memory_proportions``: (phase, stage, kind, proportion) entries of a pipeline's
-    ``PipelineStageOptions``, which replace ``memory_proportions`` in that pass of that stage).
+    ``PipelineStageOptions``, which replace ``memory_proportions`` in that pass of that stage;
+    ``variable_mapping``: "consumer" (variables laid out for their first consumer) or "linear"
+    (``poputil::mapTensorLinearly``; ``mapping.variable_mappings``, ``mappings`` still win)).
 
     ``replicas`` copies of the program run at once on ``ipu_ids`` (default: the first
     ``replicas``) of ``system`` (a ``protocol.hardware.System``; None: ``plain_system`` IPUs
@@ -915,6 +929,9 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
     """
     if on_failure not in ("raise", "report"):
         raise ValueError(f"on_failure must be 'raise' or 'report'. Received: {on_failure!r}")
+    if check_variable_mapping(variable_mapping) == "linear":
+        mappings = {**variable_mappings(module, target.vector_bytes, target.min_bytes_per_tile,
+                                        target.tiles_per_ipu, param_kinds), **(mappings or {})}
     run: PipelineRun | None = None
     if pipeline_stages != 1:
         where = placement(pipeline_stages, stage_ipus, ipus_per_replica, replicas, system,
@@ -942,6 +959,8 @@ def estimate_module(module: ir_pb2.Module, live: LiveFn | None, target: Target, 
         if stage_memory_proportions:  # PipelineStageOptions: per stage and pass
             est.context["stage_available_memory_proportion"] = StageProportions.of_entries(
                 stage_memory_proportions, max(1, pipeline_stages)).context(pipeline_stages)
+        if variable_mapping == "linear":
+            est.context["variable_mapping"] = "linear (poputil::mapTensorLinearly)"
         half = sorted(k for k, v in (partials_types or {}).items() if str(v).lower() == "half")
         if half:
             est.context["half_partials"] = half
