@@ -325,7 +325,8 @@ def _resnet_pipelined(case: dict[str, Any]) -> Plan:
     schedules, modes = _modes()
     pipe, notes = case["pipeline"], []
     accumulation = int(case["gradient_accumulation"])
-    model = _resnet50(accumulation)
+    lars = "LARS" in str(case["optimizer"])
+    model = _resnet50(accumulation, "lars" if lars else "momentum")
     splits = [_keras_split(s) for s in pipe["pipeline_splits"]]
     stages = _stage_by_splits(model, splits)
     count = max(stages) + 1
@@ -342,15 +343,13 @@ def _resnet_pipelined(case: dict[str, Any]) -> Plan:
                "system": _SYSTEM16[case["ipu"]] if replicas * case["ipus_per_replica"] == 16 else None,
                "recomputation": bool(case["recomputation"]["enabled"]),
                "available_memory_proportion": _amp(case, notes)}
-    if "LARS" in str(case["optimizer"]):
-        notes.append("LARS (SGD with momentum here: the same one slot per weight; LARS's "
-                     "per-layer norms not counted)")
     target = (case.get("other_options") or {}).get("internal_exchange_optimisation_target") or \
         (case.get("other_options") or {}).get("internal-exchange-optimization-target")
     if target:
         notes.append(f"internal exchange optimisation target '{target}' (not modelled)")
     return Plan(model, int(case["micro_batch"]), True, options, "float16",
-                expressed=["8-bit images (uint8 input)", f"splits -> {splits}"],
+                expressed=["8-bit images (uint8 input)", f"splits -> {splits}"]
+                + (["LARS (tf_ipu.optimizers.LARS: momentum, per-layer norms)"] if lars else []),
                 unexpressed=notes)
 
 
