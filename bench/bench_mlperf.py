@@ -512,6 +512,12 @@ def _bert_amp(run: _BertRun) -> Any:
     return [{"matmul": run.amp_per_ipu[ipu]} for ipu in _bert_layout(run.placement).ipus]
 
 
+def _bert_shape(run: Any) -> str:
+    """A BERT-Large run's replicas, pipeline and micro-batches, as its config text opens."""
+    return (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed rows x "
+            f"{run.accumulation} micro-batches")
+
+
 def _amp_text(run: Any) -> str:
     """A run's matmul availableMemoryProportion as its config sets it (one, or one per IPU)."""
     return ("/".join(f"{a:g}" for a in run.amp_per_ipu) + " per IPU" if run.amp_per_ipu
@@ -538,9 +544,8 @@ def _bert_row(run: _BertRun) -> dict[str, Any]:
     tput = est.throughput * SEQUENCES_PER_ROW  # rows/s -> sequences/s
     ttt = m["trained"] / tput
     amp_text = _amp_text(run)
-    config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
-              f"rows x {run.accumulation} micro-batches, matmul availableMemoryProportion "
-              f"{amp_text}, optimizer state {'offloaded' if run.offload else 'on chip'}"
+    config = (f"{_bert_shape(run)}, matmul availableMemoryProportion {amp_text}, optimizer "
+              f"state {'offloaded' if run.offload else 'on chip'}"
               f"{', sharded' if run.sharding else ''}, checkpoints as submitted, FP16 "
               f"attention probabilities, half partials, {m['trained']:,.0f} sequences ({run.path})")
     row = _ratio_row("BERT-Large", run.version, run.chip, m, tput, est, ttt, config,
@@ -877,9 +882,8 @@ def _bert_pod_rows(version: str) -> list[dict[str, Any]]:
                                    _bert_amp(run), run.micro, run.accumulation, run.replicas,
                                    run.system)
             amp = _amp_text(run)
-            config = (f"{run.replicas} replicas x a {run.placement} pipeline, {run.micro} packed "
-                      f"rows x {run.accumulation} micro-batches (global batch "
-                      f"{pod['global_batch_size']:,} sequences, {pod['n_hosts']} host(s)), matmul "
+            config = (f"{_bert_shape(run)} (global batch {pod['global_batch_size']:,} sequences, "
+                      f"{pod['n_hosts']} host(s)), matmul "
                       f"availableMemoryProportion {amp}, optimizer state on chip ({run.path}); "
                       f"Pod16: {base_run.replicas} replicas x {base_run.micro} x {base_run.accumulation}")
             row = _speedup_row("BERT-Large", run.version, run.system, base, pod, b, e, tput_base,
